@@ -1,0 +1,25 @@
+"""lightning-dist: distributed-training algorithms from research papers as Lightning strategies.
+
+Importing the package registers the strategy names ``"dynamic_avg"``, ``"periodic_avg"`` and
+``"fedavg"`` with Lightning's ``StrategyRegistry``.
+"""
+
+from lightning_dist.comm import CommStats
+from lightning_dist.registry import register_strategies
+from lightning_dist.strategies import (
+    DynamicAveragingStrategy,
+    LocalUpdateStrategy,
+    NonFiniteModelError,
+    PeriodicAveragingStrategy,
+)
+
+register_strategies()
+
+__all__ = [
+    "CommStats",
+    "DynamicAveragingStrategy",
+    "LocalUpdateStrategy",
+    "NonFiniteModelError",
+    "PeriodicAveragingStrategy",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,169 @@
+"""Model-averaging math of dynamic averaging (paper 004, Kamp et al., ECML-PKDD 2018) and FedAvg.
+
+Plain torch on flat model vectors: no Lightning, no process groups. The strategies in
+``lightning_dist.strategies`` and the simulator call these functions; the distributed
+strategies only decide *where* the vectors live and *how* they travel.
+
+Notation follows paper 004: ``m`` local learners with models ``f^i``, reference model ``r``,
+divergence threshold ``Delta``, check period ``b``, violation counter ``v``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def squared_distance(model: Tensor, reference: Tensor) -> float:
+    """``||model - reference||^2`` over all entries (the quantity in the local condition)."""
+    return float(torch.sum((model.double() - reference.double()) ** 2))
+
+
+def local_condition_holds(model: Tensor, reference: Tensor, divergence_threshold: float) -> bool:
+    """Algorithm 1's local condition ``||f^i - r||^2 <= Delta``.
+
+    A non-finite model never satisfies it, so it is reported as a violation rather than
+    being silently treated as in sync.
+    """
+    distance = squared_distance(model, reference)
+    return math.isfinite(distance) and distance <= divergence_threshold
+
+
+def divergence(models: Sequence[Tensor]) -> float:
+    """Model divergence ``delta(f) = 1/m sum_i ||f^i - mean(f)||^2`` (paper 004, eq. 2)."""
+    stacked = torch.stack([model.double() for model in models])
+    return float(torch.sum((stacked - stacked.mean(dim=0)) ** 2) / len(models))
+
+
+def weighted_average(models: Sequence[Tensor], weights: Sequence[float] | None = None) -> Tensor:
+    """``sum_i w_i f^i / sum_i w_i``; the plain mean when ``weights`` is None."""
+    if not models:
+        raise ValueError("models must hold at least one model vector; got an empty sequence")
+    stacked = torch.stack(list(models))
+    if weights is None:
+        return stacked.mean(dim=0)
+    if len(weights) != len(models):
+        raise ValueError(f"weights must have one entry per model ({len(models)}); got {len(weights)}")
+    weight_tensor = torch.as_tensor(weights, dtype=stacked.dtype, device=stacked.device)
+    if not torch.all(weight_tensor >= 0) or float(weight_tensor.sum()) <= 0:
+        raise ValueError("weights must be non-negative with a positive sum")
+    shape = (-1,) + (1,) * (stacked.dim() - 1)
+    return (stacked * weight_tensor.view(shape)).sum(dim=0) / weight_tensor.sum()
+
+
+def count_violations(violators: Sequence[int], violation_counter: int, num_ranks: int) -> tuple[bool, int]:
+    """Violation-counter update of Algorithm 1: ``v += |B|; if v >= m: B = [m], v = 0``.
+
+    Returns ``(force_full_sync, new_violation_counter)``. The paper writes ``v = m``; with several
+    violators per check ``v`` can jump past ``m``, so ``>=`` is the faithful reading.
+    """
+    violation_counter += len(violators)
+    if violation_counter >= num_ranks:
+        return True, 0
+    return False, violation_counter
+
+
+def augment_balancing_set(
+    balancing_set: Sequence[int], num_ranks: int, generator: torch.Generator
+) -> tuple[list[int], bool]:
+    """One augmentation round of the authors' DynamicHedgeSync (fraunhofer-iais/dlplatform).
+
+    Draws ``2 |B|`` further ranks uniformly without replacement (all remaining ranks if fewer are
+    left). If ``B`` would then reach half of all ranks, balancing gives up and the caller performs
+    a full synchronization; this hedge bounds the number of balancing rounds by ``O(log m)``.
+
+    Returns ``(ranks_to_add, full_sync)``; ``ranks_to_add`` is sorted. With ``full_sync`` it holds
+    every rank not yet in ``B``. The draw uses ``generator`` so that every process holding the same
+    generator state computes the same set without exchanging it.
+    """
+    members = set(balancing_set)
+    remaining = [rank for rank in range(num_ranks) if rank not in members]
+    wanted = 2 * len(members)
+    if wanted >= len(remaining):
+        chosen = remaining
+    else:
+        order = torch.randperm(len(remaining), generator=generator).tolist()
+        chosen = sorted(remaining[i] for i in order[:wanted])
+    if len(members) + len(chosen) >= num_ranks / 2:
+        return remaining, True
+    return chosen, False
+
+
+def plan_balancing(
+    violators: Sequence[int],
+    num_ranks: int,
+    violation_counter: int,
+    generator: torch.Generator,
+    mean_within_threshold: Callable[[list[int], list[int]], bool],
+) -> tuple[list[int], int]:
+    """The coordinator's violation resolution of Algorithm 1 (paper 004).
+
+    Starts from the violator set ``B``, applies the violation counter, then, while ``B`` is not
+    all ranks and ``||mean(f_B) - r||^2 > Delta``, augments ``B`` (``augment_balancing_set``).
+
+    ``mean_within_threshold(balancing_set, newly_added)`` answers the while-condition for the
+    current ``B``; it receives the ranks added since its last call so a distributed caller can
+    fetch exactly those models. It is not called once ``B`` is all ranks.
+
+    Returns ``(B, new_violation_counter)``. ``len(B) == num_ranks`` means a full
+    synchronization: the caller averages all models and sets the reference model to the mean.
+    """
+    balancing_set = sorted(set(violators))
+    if not balancing_set:
+        return [], violation_counter
+    force_full_sync, violation_counter = count_violations(balancing_set, violation_counter, num_ranks)
+    if force_full_sync:
+        return list(range(num_ranks)), violation_counter
+    newly_added = list(balancing_set)
+    while not mean_within_threshold(balancing_set, newly_added):
+        newly_added, full_sync = augment_balancing_set(balancing_set, num_ranks, generator)
+        balancing_set = sorted(balancing_set + newly_added)
+        if full_sync:
+            break
+    return balancing_set, violation_counter
+
+
+def balance_models(
+    models: Sequence[Tensor],
+    reference: Tensor,
+    violators: Sequence[int],
+    divergence_threshold: float,
+    violation_counter: int,
+    generator: torch.Generator,
+) -> tuple[list[Tensor], Tensor, list[int], int]:
+    """Apply Algorithm 1's synchronization operator to models held in one process.
+
+    Used by the simulator and as the executable definition the distributed strategy is tested
+    against. Returns ``(new_models, new_reference, balancing_set, new_violation_counter)``.
+    """
+
+    def mean_within_threshold(balancing_set: list[int], newly_added: list[int]) -> bool:
+        mean = weighted_average([models[i] for i in balancing_set])
+        return local_condition_holds(mean, reference, divergence_threshold)
+
+    balancing_set, violation_counter = plan_balancing(
+        violators, len(models), violation_counter, generator, mean_within_threshold
+    )
+    new_models = list(models)
+    if not balancing_set:
+        return new_models, reference, balancing_set, violation_counter
+    mean = weighted_average([models[i] for i in balancing_set])
+    for rank in balancing_set:
+        new_models[rank] = mean.clone()
+    new_reference = mean.clone() if len(balancing_set) == len(models) else reference
+    return new_models, new_reference, balancing_set, violation_counter
+
+
+def sample_participants(num_ranks: int, client_fraction: float, generator: torch.Generator) -> list[int]:
+    """FedAvg client sampling (McMahan et al. 2017): ``max(round(C * m), 1)`` ranks, uniformly.
+
+    The ``max(., 1)`` is FedAvg's own definition, not a clamp of the user's value: ``C`` itself is
+    validated to lie in (0, 1]. Returns sorted ranks.
+    """
+    count = max(round(client_fraction * num_ranks), 1)
+    if count >= num_ranks:
+        return list(range(num_ranks))
+    return sorted(torch.randperm(num_ranks, generator=generator)[:count].tolist())

@@ -1,0 +1,374 @@
+"""Shared base of the local-update strategies: each rank trains its own replica.
+
+Subclasses (periodic averaging, FedAvg, dynamic averaging) only say what happens after an
+optimizer step; this class does the Lightning plumbing they share:
+
+- no DistributedDataParallel wrapper, so there is no per-step gradient all-reduce;
+- identical start: rank 0's weights are broadcast once;
+- validation during fit sees the average of the replicas, and training resumes from each
+  rank's own replica afterwards, so evaluating never changes the training trajectory;
+- after ``fit`` every rank holds the average; checkpoints hold the average as ``state_dict``
+  plus every rank's replica, optimizer state, RNG state and the protocol state, so a resumed
+  run continues exactly where it stopped;
+- a rank whose model turns non-finite stops the run, named, before anything is averaged;
+- every byte goes through ``lightning_dist.comm.Communicator`` and ``comm/*`` is logged.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from abc import abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+
+from lightning_dist.comm import CommStats, Communicator
+from lightning_dist.model_vector import ModelVector
+
+CHECKPOINT_KEY = "lightning_dist"
+
+
+class NonFiniteModelError(RuntimeError):
+    """A replica's parameters are NaN or infinite; averaging it would poison every rank."""
+
+
+class LocalUpdateStrategy(DDPStrategy):
+    """Base for strategies that train one replica per rank and exchange models, not gradients.
+
+    Args:
+        seed: seeds the protocol's random choices (shared by all ranks, so every rank draws the
+            same choices without exchanging them).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; Lightning picks from the accelerator
+            when None.
+        timeout: timeout of collective operations.
+        start_method: how Lightning launches processes when it launches them itself.
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.seed = seed
+        self._comm: Communicator | None = None
+        self._vector: ModelVector | None = None
+        self._generator = torch.Generator().manual_seed(seed)
+        self._local_steps = 0
+        self._syncs = 0
+        self._replicas_in_sync = True
+        self._evaluation_stash: Tensor | None = None
+        self._summed_stats = CommStats()
+        self._last_logged_step = -1
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    def _configure_launcher(self) -> None:
+        # Runs while the Trainer is built, before any process is launched.
+        if self.world_size < 2:
+            raise ValueError(
+                f"{type(self).__name__} averages models across processes and needs at least 2 "
+                f"(devices * num_nodes >= 2); got devices={self.num_processes}, num_nodes={self.num_nodes}"
+            )
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # A group of our own: Lightning issues its own collectives on WORLD.
+        self._comm = Communicator(dist.new_group(backend=self._get_process_group_backend()))
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Replicas are broadcast in setup; a checkpoint then overwrites them per rank.
+        return True
+
+    def configure_ddp(self) -> None:
+        """Do not wrap in DistributedDataParallel; start every replica from rank 0's weights."""
+        assert self.model is not None
+        self._vector = ModelVector(self.model)
+        vector = self._vector.get()
+        self.comm.broadcast_(vector, src=0, purpose="setup")
+        self._vector.set(vector)
+        self._replicas_in_sync = True
+        self.on_replicas_initialized(vector)
+
+    @property
+    def comm(self) -> Communicator:
+        if self._comm is None:
+            raise RuntimeError(f"{type(self).__name__} is not set up: its process group does not exist yet")
+        return self._comm
+
+    @property
+    def model_vector(self) -> ModelVector:
+        if self._vector is None:
+            raise RuntimeError(f"{type(self).__name__} is not set up for fitting: it has no model vector yet")
+        return self._vector
+
+    # ------------------------------------------------------------ subclass API
+
+    def on_replicas_initialized(self, vector: Tensor) -> None:
+        """Called on every rank once all replicas equal ``vector`` (the common start model)."""
+
+    @abstractmethod
+    def after_local_step(self, step: int) -> None:
+        """The protocol: called on every rank after its ``step``-th optimizer step (1-based)."""
+
+    def protocol_state_dict(self) -> dict[str, Any]:
+        """Protocol state shared by all ranks (identical on every rank)."""
+        return {}
+
+    def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``protocol_state_dict`` returned."""
+
+    def protocol_metrics(self) -> dict[str, float]:
+        """Extra protocol counters to log next to ``comm/*``."""
+        return {}
+
+    # ------------------------------------------------------------ averaging
+
+    def average_all(self, purpose: str) -> Tensor:
+        """The mean of all replicas (an all-reduce); raises if any replica is non-finite."""
+        local = self.model_vector.get()
+        total = self.comm.all_reduce_sum_(local.clone(), purpose)
+        if not bool(torch.isfinite(total).all()):
+            self.raise_if_non_finite(local)
+        return total / self.comm.world_size
+
+    def raise_if_non_finite(self, local: Tensor) -> None:
+        """Collective check: raise the same error on every rank if any rank's vector is non-finite."""
+        flag = torch.tensor([bool(torch.isfinite(local).all())], dtype=torch.uint8, device=local.device)
+        flags = self.comm.all_gather(flag, purpose="protocol").view(-1).tolist()
+        self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite])
+
+    def raise_for_ranks(self, bad_ranks: Sequence[int]) -> None:
+        if bad_ranks:
+            raise NonFiniteModelError(
+                f"rank(s) {list(bad_ranks)} hold non-finite parameters after local step {self._local_steps}; "
+                "refusing to average them into the other replicas"
+            )
+
+    def star_average(
+        self,
+        members: Sequence[int],
+        coordinator: int,
+        purpose: str,
+        accumulator: Tensor | None = None,
+        already_summed: Sequence[int] = (),
+    ) -> Tensor | None:
+        """Average among ``members`` through ``coordinator`` (paper 004's coordinator), point to point.
+
+        Members not in ``already_summed`` send their vectors to the coordinator, which adds them to
+        ``accumulator`` (its running sum of the ``already_summed`` vectors, or its own vector when
+        None), divides, and sends the mean to the other members. Returns the mean on members and
+        None elsewhere. Every rank must call it with the same arguments but ``accumulator``.
+        """
+        rank = self.comm.rank
+        local = self.model_vector.get()
+        senders = [member for member in members if member not in already_summed and member != coordinator]
+        if rank in senders:
+            self.comm.send(local, [coordinator], purpose)
+        if rank == coordinator:
+            total = local.clone() if accumulator is None else accumulator
+            for vector in self.comm.receive(local, senders):
+                total += vector
+            mean = total / len(members)
+            self.comm.send(mean, [member for member in members if member != coordinator], purpose)
+            return mean
+        if rank in members:
+            return self.comm.receive(local, [coordinator])[0]
+        return None
+
+    # ------------------------------------------------------------ Lightning hooks
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._local_steps += 1
+        self._replicas_in_sync = False
+        self.after_local_step(self._local_steps)
+        return output
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer
+        if trainer.global_step != self._last_logged_step and trainer.global_step % trainer.log_every_n_steps == 0:
+            self._last_logged_step = trainer.global_step
+            self.log_comm_stats()
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._is_fitting() and not self._replicas_in_sync:
+            self._evaluation_stash = self.model_vector.get()
+            self.model_vector.set(self.average_all("evaluation"))
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self._evaluation_stash is not None:
+            self.model_vector.set(self._evaluation_stash)
+            self._evaluation_stash = None
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if not self._replicas_in_sync:
+            self.model_vector.set(self.average_all("final"))
+            self._replicas_in_sync = True
+        self.log_comm_stats()
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Other ranks may be blocked in a collective with us; tear the group down so they fail
+        # fast instead of waiting for the timeout.
+        super().on_exception(exception)
+        if _distributed_is_initialized() and self._comm is not None and self._comm.group is not None:
+            dist.destroy_process_group(self._comm.group)
+            self._comm = None
+
+    def _is_fitting(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._vector is not None
+
+    # ------------------------------------------------------------ counters
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Communication summed over all ranks, as of the last logging point (and end of fit)."""
+        return self._summed_stats
+
+    def log_comm_stats(self) -> None:
+        """Sum the counters over ranks (a collective) and log them through the Trainer's loggers."""
+        self._summed_stats = self.comm.summed_stats(self._syncs, self.root_device)
+        trainer = self.lightning_module.trainer
+        if trainer is not None and self.is_global_zero:
+            metrics = {**self._summed_stats.metrics(), **self.protocol_metrics()}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The averaged model, so a checkpoint loads as one model for inference or fine-tuning."""
+        module = self.lightning_module
+        assert module is not None
+        if not self._is_fitting() or self._replicas_in_sync or self._evaluation_stash is not None:
+            return module.state_dict()
+        local = self.model_vector.get()
+        self.model_vector.set(self.average_all("final"))
+        state = {key: value.clone() for key, value in module.state_dict().items()}
+        self.model_vector.set(local)
+        return state
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Add every rank's replica and the protocol state, then let rank 0 write the file."""
+        if self._vector is not None:
+            replicas = self._gather_replicas()
+            if self.is_global_zero:
+                checkpoint[CHECKPOINT_KEY] = {
+                    "world_size": self.comm.world_size,
+                    "local_steps": self._local_steps,
+                    "syncs": self._syncs,
+                    "replicas_in_sync": self._replicas_in_sync,
+                    "generator": self._generator.get_state(),
+                    "protocol": self.protocol_state_dict(),
+                    "replicas": replicas,
+                }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _replica_state(self) -> dict[str, Any]:
+        numpy_state = np.random.get_state()
+        return {
+            "vector": (self._evaluation_stash if self._evaluation_stash is not None else self.model_vector.get()).cpu(),
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "comm": self.comm.stats.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python_rng": random.getstate(),
+            "numpy_rng": {"keys": torch.from_numpy(numpy_state[1].astype(np.int64)), "rest": list(numpy_state[2:])},
+        }
+
+    def _gather_replicas(self) -> list[dict[str, Any]] | None:
+        # Pickled per rank and sent to rank 0 point to point: optimizer states are nested dicts.
+        local = self._replica_state()
+        if not self.is_global_zero:
+            buffer = io.BytesIO()
+            torch.save(local, buffer)
+            self.comm.send_object(buffer.getvalue(), 0, "checkpoint", self.root_device)
+            return None
+        replicas = [local]
+        for source in range(1, self.comm.world_size):
+            payload = self.comm.receive_object(source, self.root_device)
+            replicas.append(torch.load(io.BytesIO(payload), weights_only=False))
+        return replicas
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None or self._vector is None:
+            return
+        if state["world_size"] != self.comm.world_size:
+            raise ValueError(
+                f"checkpoint was written by {state['world_size']} processes; resuming needs the same "
+                f"number (devices * num_nodes), got {self.comm.world_size}"
+            )
+        replica = state["replicas"][self.comm.rank]
+        self.model_vector.set(replica["vector"].to(self.root_device))
+        self._local_steps = state["local_steps"]
+        self._syncs = state["syncs"]
+        self._replicas_in_sync = state["replicas_in_sync"]
+        self._generator.set_state(state["generator"])
+        self.comm.stats = CommStats.from_state_dict(replica["comm"])
+        self.load_protocol_state_dict(state["protocol"])
+        torch.set_rng_state(replica["torch_rng"])
+        if replica["cuda_rng"]:
+            torch.cuda.set_rng_state_all(replica["cuda_rng"])
+        random.setstate(replica["python_rng"])
+        np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, optimizer_state in zip(self.optimizers, state["replicas"][self.comm.rank]["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+            _optimizer_to_device(optimizer, self.root_device)

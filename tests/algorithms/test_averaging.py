@@ -1,0 +1,122 @@
+"""Paper 004's averaging math, checked in one process against hand-computed cases."""
+
+import pytest
+import torch
+
+from lightning_dist.algorithms.averaging import (
+    augment_balancing_set,
+    balance_models,
+    count_violations,
+    divergence,
+    local_condition_holds,
+    plan_balancing,
+    sample_participants,
+    squared_distance,
+    weighted_average,
+)
+
+
+def test_squared_distance_and_local_condition_by_hand():
+    model, reference = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])
+    assert squared_distance(model, reference) == 5.0
+    assert local_condition_holds(model, reference, 5.0)
+    assert not local_condition_holds(model, reference, 4.99)
+    assert not local_condition_holds(torch.tensor([float("nan"), 0.0]), reference, 1e9)
+
+
+def test_divergence_is_mean_squared_distance_to_mean():
+    models = [torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([4.0])]
+    # mean 2; squared distances 4, 0, 4; divergence = 8 / 3 (eq. 2)
+    assert divergence(models) == pytest.approx(8 / 3)
+
+
+def test_weighted_average_by_hand_and_bad_weights():
+    models = [torch.tensor([0.0, 0.0]), torch.tensor([3.0, 6.0])]
+    assert torch.equal(weighted_average(models), torch.tensor([1.5, 3.0]))
+    assert torch.allclose(weighted_average(models, [1.0, 2.0]), torch.tensor([2.0, 4.0]))
+    with pytest.raises(ValueError, match="weights"):
+        weighted_average(models, [1.0])
+    with pytest.raises(ValueError, match="models"):
+        weighted_average([])
+
+
+def test_violation_counter_forces_full_sync_at_m():
+    assert count_violations([1], 0, 4) == (False, 1)
+    assert count_violations([1, 2], 1, 4) == (False, 3)
+    assert count_violations([3], 3, 4) == (True, 0)
+    assert count_violations([0, 1, 2], 2, 4) == (True, 0)  # jumps past m
+
+
+def test_augmentation_adds_twice_the_set_and_hedges_to_full_sync():
+    generator = torch.Generator().manual_seed(0)
+    added, full = augment_balancing_set([5], 16, generator)
+    assert len(added) == 2 and 5 not in added and not full
+    added, full = augment_balancing_set([0, 1, 2], 16, generator)  # 3 + 6 >= 8 -> full sync
+    assert full and sorted(added) == list(range(3, 16))
+    added, full = augment_balancing_set([0], 2, generator)
+    assert full and added == [1]
+
+
+def test_plan_balancing_stops_when_mean_is_within_threshold():
+    calls = []
+
+    def within(balancing_set, newly_added):
+        calls.append((list(balancing_set), list(newly_added)))
+        return len(balancing_set) >= 3
+
+    balancing_set, counter = plan_balancing([4], 20, 0, torch.Generator().manual_seed(1), within)
+    assert len(balancing_set) == 3 and 4 in balancing_set
+    assert counter == 1
+    assert calls[0] == ([4], [4])
+    assert sorted(calls[1][1] + [4]) == balancing_set
+
+
+def test_plan_balancing_full_sync_skips_the_callback():
+    def never(balancing_set, newly_added):  # pragma: no cover - must not run
+        raise AssertionError("a forced full sync needs no balancing check")
+
+    balancing_set, counter = plan_balancing([0, 1], 2, 0, torch.Generator(), never)
+    assert balancing_set == [0, 1] and counter == 0
+    assert plan_balancing([], 4, 2, torch.Generator(), never) == ([], 2)
+
+
+def _random_models(m: int, dim: int, spread: float, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(dim, generator=generator, dtype=torch.float64) * spread for _ in range(m)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balancing_preserves_mean_and_bounds_divergence(seed):
+    """Definition 2 of paper 004: (i) mean unchanged, (ii) divergence <= Delta afterwards."""
+    m, threshold = 12, 1.0
+    reference = torch.zeros(5, dtype=torch.float64)
+    models = _random_models(m, 5, spread=0.2 + 0.1 * seed, seed=seed)
+    violators = [i for i, f in enumerate(models) if not local_condition_holds(f, reference, threshold)]
+    new_models, new_reference, balancing_set, _ = balance_models(
+        models, reference, violators, threshold, 0, torch.Generator().manual_seed(seed)
+    )
+    assert torch.allclose(torch.stack(new_models).mean(0), torch.stack(models).mean(0))
+    for model in new_models:  # every local condition holds, w.r.t. the possibly new reference
+        assert local_condition_holds(model, new_reference, threshold + 1e-9)
+    assert divergence(new_models) <= threshold + 1e-9
+    assert set(violators) <= set(balancing_set) or not violators
+
+
+def test_huge_threshold_touches_nothing_and_tiny_threshold_averages_all():
+    models = _random_models(6, 4, spread=1.0, seed=3)
+    reference = torch.zeros(4, dtype=torch.float64)
+    same, ref, balancing_set, _ = balance_models(models, reference, [], 1e9, 0, torch.Generator())
+    assert balancing_set == [] and all(a is b for a, b in zip(same, models)) and ref is reference
+    violators = list(range(6))
+    averaged, ref, balancing_set, counter = balance_models(models, reference, violators, 1e-12, 0, torch.Generator())
+    assert balancing_set == violators and counter == 0
+    mean = torch.stack(models).mean(0)
+    assert all(torch.allclose(model, mean) for model in averaged) and torch.allclose(ref, mean)
+
+
+def test_fedavg_participants():
+    generator = torch.Generator().manual_seed(0)
+    chosen = sample_participants(10, 0.3, generator)
+    assert len(chosen) == 3 and chosen == sorted(set(chosen))
+    assert sample_participants(10, 0.01, generator) != []  # max(C*m, 1)
+    assert sample_participants(4, 1.0, generator) == [0, 1, 2, 3]

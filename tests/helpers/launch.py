@@ -1,0 +1,46 @@
+"""Run a worker script on N real processes with torchrun (Gloo on CPU) and collect per-rank results."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORKERS = Path(__file__).resolve().parent.parent / "workers"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(
+    nprocs: int, worker: str, spec: dict[str, Any], out_dir: Path, timeout: float = 240, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Launch ``tests/workers/<worker>.py spec.json`` under torchrun with ``nprocs`` local ranks."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(out_dir)}))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", "--nnodes=1",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        str(WORKERS / f"{worker}.py"), str(spec_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=out_dir)
+    if check and result.returncode != 0:
+        raise AssertionError(f"torchrun exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-8000:]}")
+    return result
+
+
+def load_results(out_dir: Path, nprocs: int) -> list[dict[str, Any]]:
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]

@@ -1,0 +1,86 @@
+"""Worker for multi-process strategy tests: one Lightning fit under torchrun, results per rank.
+
+Usage: torchrun --nproc_per_node=N fit.py spec.json (see tests/helpers/launch.py).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import lightning_dist
+from lightning_dist.data.datamodules import DigitsDataModule
+from lightning_dist.models import MLPClassifier
+
+
+class InjectNaN(Callback):
+    """Turns one rank's parameters non-finite after a given step."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("nan"))
+
+
+class RecordStepZeroVector(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.start = trainer.strategy.model_vector.get().clone()
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    L.seed_everything(spec.get("seed", 0) + 0, workers=True)
+    strategy_spec = spec["strategy"]
+    if isinstance(strategy_spec, str):
+        strategy = strategy_spec
+    else:
+        strategy = getattr(lightning_dist, strategy_spec["class"])(**strategy_spec.get("kwargs", {}))
+    datamodule = DigitsDataModule(**spec.get("data", {}))
+    torch.manual_seed(1000 + int(__import__("os").environ.get("RANK", "0")))  # replicas must be made identical by the strategy
+    model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, **spec.get("model", {}))
+    callbacks = [RecordStepZeroVector()]
+    if "nan" in spec:
+        callbacks.append(InjectNaN(**spec["nan"]))
+    if spec.get("checkpoint_dir"):
+        callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_top_k=-1, every_n_epochs=1, save_last=False,
+                                         filename="{epoch}-{step}"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=spec.get("devices", int(__import__("os").environ["LOCAL_WORLD_SIZE"])),
+        strategy=strategy, logger=spec.get("logger", False), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(spec.get("checkpoint_dir")), callbacks=callbacks,
+        num_sanity_val_steps=0, deterministic=True, **spec.get("trainer", {}),
+    )
+    error = None
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=spec.get("ckpt_path"))
+    except Exception as exc:  # reported to the test, which asserts on it
+        error = f"{type(exc).__name__}: {exc}"
+    result = {"error": error, "rank": trainer.global_rank}
+    if error is None:
+        strategy = trainer.strategy
+        result.update(
+            vector=strategy.model_vector.get(),
+            start_vector=callbacks[0].start,
+            comm=strategy.comm_stats,
+            local_comm=strategy.comm.stats,
+            protocol=strategy.protocol_state_dict(),
+            metrics=strategy.protocol_metrics(),
+            syncs=strategy._syncs,
+            local_steps=strategy._local_steps,
+            global_step=trainer.global_step,
+            callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+        )
+        if spec.get("validate_after"):
+            result["validate"] = trainer.validate(model, datamodule=datamodule, verbose=False)
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
