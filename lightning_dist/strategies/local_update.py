@@ -273,9 +273,14 @@ class LocalUpdateStrategy(DDPStrategy):
         """Communication summed over all ranks, as of the last logging point (and end of fit)."""
         return self._summed_stats
 
+    def refresh_comm_stats(self) -> CommStats:
+        """Sum the counters over ranks now. A collective: call it on every rank at the same point."""
+        self._summed_stats = self.comm.summed_stats(self._syncs, self.root_device)
+        return self._summed_stats
+
     def log_comm_stats(self) -> None:
         """Sum the counters over ranks (a collective) and log them through the Trainer's loggers."""
-        self._summed_stats = self.comm.summed_stats(self._syncs, self.root_device)
+        self.refresh_comm_stats()
         trainer = self.lightning_module.trainer
         if trainer is not None and self.is_global_zero:
             metrics = {**self._summed_stats.metrics(), **self.protocol_metrics()}

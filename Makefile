@@ -1,0 +1,24 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+READY := $(VENV)/.ready
+
+.PHONY: demo test bench clean
+
+$(READY): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
+	$(VENV)/bin/pip install -q -c constraints.txt -e ".[test,bench]"
+	touch $(READY)
+
+demo: $(READY)
+	$(VENV)/bin/python examples/compare_averaging.py
+
+test: $(READY)
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(READY)
+	$(VENV)/bin/python benchmarks/averaging.py
+
+clean:
+	rm -rf $(VENV)

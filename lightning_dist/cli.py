@@ -1,0 +1,28 @@
+"""``lightning-dist``: LightningCLI with the package's strategies registered.
+
+    lightning-dist fit --config configs/dynamic_avg.yaml
+
+Any LightningModule / LightningDataModule can be named with ``class_path``. When the data
+module exposes ``num_features`` and ``num_classes`` (the embedded ones do), they are passed
+to the model's arguments of the same names.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_dist  # noqa: F401  (registers "dynamic_avg", "periodic_avg", "fedavg")
+
+
+class DistCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
+        for name in ("num_features", "num_classes"):
+            parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
+
+
+def main(args: list[str] | None = None) -> None:
+    DistCLI(subclass_mode_model=True, subclass_mode_data=True, args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()
