@@ -1,0 +1,79 @@
+"""A distributed sampler that gives each rank its part of a chosen partition (iid, class-sorted, ...).
+
+Every rank yields the same number of indices per epoch, even when the parts have different sizes:
+local-update and gossip strategies take one collective step per batch, so a rank that ran out of
+batches early would leave the others waiting forever.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+from torch.utils.data import DistributedSampler
+
+from lightning_dist.data._checks import check_int
+from lightning_dist.data.partition import make_partition
+
+
+class PartitionSampler(DistributedSampler):
+    """Yield the indices of this rank's part of ``make_partition(partition, labels, num_replicas, ...)``.
+
+    Each epoch yields exactly ``len(dataset) // num_replicas`` indices on every rank. A shorter part is
+    repeated (with a fresh shuffle per repetition when ``shuffle``); a longer part is shuffled and
+    truncated, so a different subset is used each epoch. Without ``shuffle`` the part is read in
+    order, each epoch continuing where the previous one stopped, so a longer part is still visited in
+    full over several epochs. Shuffles are seeded by ``(seed, epoch, rank)``; the partition itself by
+    ``seed`` alone, so all ranks agree on it.
+
+    This subclasses :class:`~torch.utils.data.DistributedSampler` so that Lightning, which only
+    injects its own ``DistributedSampler`` into dataloaders whose sampler is not one, leaves it alone.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        labels: ArrayLike,
+        num_replicas: int,
+        rank: int,
+        partition: str = "iid",
+        dirichlet_alpha: float = 0.5,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        num_replicas = check_int("num_replicas", num_replicas, 1, len(dataset))
+        rank = check_int("rank", rank, 0, num_replicas - 1)
+        seed = check_int("seed", seed, 0)
+        labels = np.asarray(labels)
+        if len(labels) != len(dataset):
+            raise ValueError(f"labels must have one entry per example ({len(dataset)}); got {len(labels)}")
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.part = make_partition(partition, labels, num_replicas, seed=seed, alpha=dirichlet_alpha)[rank]
+        self.num_samples = len(dataset) // num_replicas
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch, self.rank])
+            repeats = math.ceil(self.num_samples / len(self.part))
+            indices = np.concatenate([rng.permutation(self.part) for _ in range(repeats)])[: self.num_samples]
+        else:
+            positions = (self.epoch * self.num_samples + np.arange(self.num_samples)) % len(self.part)
+            indices = self.part[positions]
+        return iter(indices.tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose shuffle (or, without shuffle, whose window of the part) to yield next."""
+        self.epoch = check_int("epoch", epoch, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.set_epoch(state_dict["epoch"])
