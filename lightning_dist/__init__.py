@@ -21,5 +21,6 @@ __all__ = [
     "LocalUpdateStrategy",
     "NonFiniteModelError",
     "PeriodicAveragingStrategy",
+    "register_strategies",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,43 @@
+"""Bad arguments fail at construction, naming the parameter and its range, before any process starts."""
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_dist
+from lightning_dist import DynamicAveragingStrategy, PeriodicAveragingStrategy
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, float("nan"), float("inf"), "1", True])
+def test_divergence_threshold(value):
+    with pytest.raises(ValueError, match=r"divergence_threshold must be a finite number > 0"):
+        DynamicAveragingStrategy(divergence_threshold=value)
+
+
+@pytest.mark.parametrize("value", [0, -3, 1.5, True])
+def test_check_every_and_period(value):
+    with pytest.raises(ValueError, match=r"check_every must be an integer >= 1"):
+        DynamicAveragingStrategy(check_every=value)
+    with pytest.raises(ValueError, match=r"period must be an integer >= 1"):
+        PeriodicAveragingStrategy(period=value)
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.0001, float("nan")])
+def test_client_fraction(value):
+    with pytest.raises(ValueError, match=r"client_fraction must lie in \(0, 1\]"):
+        PeriodicAveragingStrategy(client_fraction=value)
+
+
+@pytest.mark.parametrize("name", ["dynamic_avg", "periodic_avg", "fedavg"])
+def test_one_process_is_refused_when_the_trainer_is_built(name):
+    with pytest.raises(ValueError, match=r"needs at least 2 \(devices \* num_nodes >= 2\)"):
+        L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+
+
+def test_names_resolve_and_registration_is_idempotent():
+    lightning_dist.register_strategies()  # a second import in a launched process must not fail
+    trainer = L.Trainer(strategy="dynamic_avg", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, DynamicAveragingStrategy)
+    fedavg = L.Trainer(strategy="fedavg", accelerator="cpu", devices=2, logger=False).strategy
+    assert isinstance(fedavg, PeriodicAveragingStrategy) and fedavg.client_fraction == 0.5
+    assert {"dynamic_avg", "periodic_avg", "fedavg"} <= set(StrategyRegistry.available_strategies())

@@ -1,0 +1,101 @@
+"""Full Lightning fits on 2-3 Gloo processes: schedules, bytes, identical replicas, resume, failures."""
+
+import pytest
+import torch
+
+from helpers.launch import load_results, run_ranks
+
+FLOAT = 4
+
+
+def _fit(tmp_path, name, nprocs, strategy, **spec):
+    out = tmp_path / name
+    run_ranks(nprocs, "fit", {"strategy": strategy, **spec}, out)
+    results = load_results(out, nprocs)
+    for result in results:
+        assert result["error"] is None, result["error"]
+    return results
+
+
+def _model_size(result):
+    return result["vector"].numel() * FLOAT
+
+
+def test_tiny_threshold_equals_periodic_averaging_and_huge_threshold_moves_no_model(tmp_path):
+    """Delta -> 0 violates at every check: a full sync every b steps, exactly periodic averaging.
+    A huge Delta never violates: only the per-check flags move."""
+    trainer = {"max_epochs": 2}
+    periodic = _fit(tmp_path, "periodic", 2, {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4}}, trainer=trainer)
+    tiny = _fit(tmp_path, "tiny", 2, {"class": "DynamicAveragingStrategy",
+                                      "kwargs": {"divergence_threshold": 1e-12, "check_every": 4}}, trainer=trainer)
+    huge = _fit(tmp_path, "huge", 2, {"class": "DynamicAveragingStrategy",
+                                      "kwargs": {"divergence_threshold": 1e12, "check_every": 4}}, trainer=trainer)
+    steps = periodic[0]["local_steps"]
+    checks = steps // 4
+    assert checks >= 5 and tiny[0]["local_steps"] == steps
+    # Same trajectory, bit for bit.
+    for a, b in zip(periodic, tiny):
+        assert torch.equal(a["vector"], b["vector"])
+    model_bytes = _model_size(periodic[0])
+    ring = 2 * (2 - 1) * model_bytes
+    assert periodic[0]["comm"].protocol_bytes == checks * ring
+    assert tiny[0]["comm"].protocol_bytes == checks * (ring + 2 * 8)  # plus one float64 flag per rank
+    assert periodic[0]["comm"].syncs == tiny[0]["comm"].syncs == checks
+    assert huge[0]["comm"].protocol_bytes == checks * 2 * 8
+    assert huge[0]["comm"].syncs == 0 and huge[0]["metrics"]["dynamic/checks"] == checks
+    # After fit every rank holds the same (averaged) model, whatever happened during training.
+    for results in (periodic, tiny, huge):
+        assert all(torch.equal(results[0]["vector"], other["vector"]) for other in results[1:])
+        assert not torch.equal(results[0]["vector"], results[0]["start_vector"])
+
+
+def test_identical_start_and_string_registration(tmp_path):
+    """strategy="dynamic_avg" resolves in every process; replicas built from different seeds start equal."""
+    results = _fit(tmp_path, "string", 2, "dynamic_avg", trainer={"max_steps": 3})
+    assert torch.equal(results[0]["start_vector"], results[1]["start_vector"])
+    assert results[0]["comm"].bytes_by_purpose["setup"] == _model_size(results[0])
+
+
+def test_fedavg_three_ranks(tmp_path):
+    results = _fit(tmp_path, "fedavg", 3, {"class": "PeriodicAveragingStrategy",
+                                            "kwargs": {"period": 3, "client_fraction": 0.5, "seed": 1}},
+                   trainer={"max_steps": 12})
+    # round(0.5 * 3) = 2 participants per round: one model in, the mean out, plus 1-byte finite flags.
+    model_bytes = _model_size(results[0])
+    rounds = 12 // 3
+    assert results[0]["comm"].protocol_bytes == rounds * (2 * model_bytes + 3 * 2)
+    assert all(torch.equal(results[0]["vector"], other["vector"]) for other in results[1:])
+
+
+def test_non_finite_rank_stops_every_rank_with_its_name(tmp_path):
+    out = tmp_path / "nan"
+    run_ranks(2, "fit", {"strategy": {"class": "DynamicAveragingStrategy",
+                                       "kwargs": {"divergence_threshold": 1.0, "check_every": 4}},
+                          "trainer": {"max_epochs": 1}, "nan": {"rank": 1, "step": 6}}, out)
+    for result in load_results(out, 2):
+        assert result["error"] is not None and "NonFiniteModelError" in result["error"] and "rank(s) [1]" in result["error"]
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"class": "DynamicAveragingStrategy", "kwargs": {"divergence_threshold": 0.05, "check_every": 4}},
+        {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4, "client_fraction": 0.5}},
+    ],
+    ids=["dynamic", "fedavg"],
+)
+def test_resume_ends_with_the_uninterrupted_model(tmp_path, strategy):
+    """Stop after epoch 2 (a step count that is not a multiple of the period), resume, compare bit for bit."""
+    data = {"partition": "class_sorted"}
+    full = _fit(tmp_path, "full", 3, strategy, data=data, trainer={"max_epochs": 4}, checkpoint_dir=str(tmp_path / "ckpt"))
+    checkpoints = sorted((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))
+    assert len(checkpoints) == 1
+    stopped_at = torch.load(checkpoints[0], weights_only=False)["global_step"]
+    assert stopped_at % 4 != 0
+    resumed = _fit(tmp_path, "resumed", 3, strategy, data=data, trainer={"max_epochs": 4}, ckpt_path=str(checkpoints[0]))
+    for a, b in zip(full, resumed):
+        assert torch.equal(a["vector"], b["vector"])
+        assert a["local_steps"] == b["local_steps"]
+        assert a["comm"].protocol_bytes == b["comm"].protocol_bytes and a["comm"].syncs == b["comm"].syncs
+        for key, value in a["protocol"].items():
+            assert torch.equal(value, b["protocol"][key]) if isinstance(value, torch.Tensor) else value == b["protocol"][key]
