@@ -1,6 +1,6 @@
 """Main job: dynamic vs periodic model averaging on MNIST-1D, 4 CPU processes, a minute or two.
 
-    python examples/compare_averaging.py [--ranks 4] [--epochs 5]
+    python examples/compare_averaging.py [--ranks 4] [--epochs 10]
 
 Each strategy is one real multi-process Lightning fit, launched with torchrun over Gloo; the
 script prints final validation accuracy and the bytes each strategy sent. The benchmark in
@@ -20,7 +20,7 @@ from pathlib import Path
 
 RUNS = {
     "periodic_avg (period=10)": ("PeriodicAveragingStrategy", {"period": 10}),
-    "dynamic_avg (Delta=0.3, b=10)": ("DynamicAveragingStrategy", {"divergence_threshold": 0.3, "check_every": 10}),
+    "dynamic_avg (Delta=1.0, b=10)": ("DynamicAveragingStrategy", {"divergence_threshold": 1.0, "check_every": 10}),
 }
 
 
@@ -66,7 +66,7 @@ def launch(name: str, ranks: int, epochs: int, workdir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
