@@ -1,12 +1,13 @@
 """lightning-dist: distributed-training algorithms from research papers as Lightning strategies.
 
-Importing the package registers the strategy names ``"dynamic_avg"``, ``"periodic_avg"`` and
-``"fedavg"`` with Lightning's ``StrategyRegistry``.
+Importing the package registers the strategy names ``"dynamic_avg"``, ``"periodic_avg"``,
+``"fedavg"`` and ``"downpour_sgd"`` with Lightning's ``StrategyRegistry``.
 """
 
 from lightning_dist.comm import CommStats
 from lightning_dist.registry import register_strategies
 from lightning_dist.strategies import (
+    DownpourSGDStrategy,
     DynamicAveragingStrategy,
     LocalUpdateStrategy,
     NonFiniteModelError,
@@ -17,6 +18,7 @@ register_strategies()
 
 __all__ = [
     "CommStats",
+    "DownpourSGDStrategy",
     "DynamicAveragingStrategy",
     "LocalUpdateStrategy",
     "NonFiniteModelError",

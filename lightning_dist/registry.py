@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dist.strategies import DynamicAveragingStrategy, PeriodicAveragingStrategy
+from lightning_dist.strategies import DownpourSGDStrategy, DynamicAveragingStrategy, PeriodicAveragingStrategy
 
 FEDAVG_CLIENT_FRACTION = 0.5
 """Client fraction ``C`` behind the name ``"fedavg"``; pass a strategy object for another ``C``."""
@@ -22,6 +22,7 @@ def register_strategies() -> None:
         ("periodic_avg", PeriodicAveragingStrategy, "Periodic model averaging", {}),
         ("fedavg", PeriodicAveragingStrategy, "FedAvg: periodic averaging of a random client fraction",
          {"client_fraction": FEDAVG_CLIENT_FRACTION}),
+        ("downpour_sgd", DownpourSGDStrategy, "DownpourSGD: asynchronous parameter server (Dean et al. 2012)", {}),
     ]
     for name, strategy, description, init_params in entries:
         if name not in StrategyRegistry:

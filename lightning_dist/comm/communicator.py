@@ -93,14 +93,23 @@ class Communicator:
         (data,) = self.receive(torch.empty(int(length.item()), dtype=torch.uint8, device=device), [source])
         return data.cpu().numpy().tobytes()
 
-    def summed_stats(self, syncs: int, device: torch.device) -> CommStats:
+    def summed_stats(
+        self, syncs: int, device: torch.device, extra: CommStats | None = None, sum_syncs: bool = False
+    ) -> CommStats:
         """Counters summed over all ranks (a collective: every rank must call it).
 
-        The reduction's own bytes are recorded under ``accounting`` before it runs, so the
-        returned totals include it.
+        ``extra`` adds another communicator's counters of this rank (e.g. a second group's).
+        ``syncs`` is taken as is (it is the same on every rank) unless ``sum_syncs``. The
+        reduction's own bytes are recorded under ``accounting`` before it runs, so the returned
+        totals include it.
         """
-        probe = torch.zeros(len(self.stats.to_vector()), dtype=torch.int64, device=device)
+        local = self.stats.to_vector()
+        probe = torch.zeros(len(local) + 1, dtype=torch.int64, device=device)
         self._record_all_reduce(probe, "accounting")
-        vector = torch.tensor(self.stats.to_vector(), dtype=torch.int64, device=device)
+        local = self.stats.to_vector()
+        if extra is not None:
+            local = [mine + theirs for mine, theirs in zip(local, extra.to_vector())]
+        vector = torch.tensor(local + [syncs], dtype=torch.int64, device=device)
         dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.group)
-        return CommStats.from_vector(vector.tolist(), syncs)
+        values = vector.tolist()
+        return CommStats.from_vector(values[:-1], values[-1] if sum_syncs else syncs)

@@ -1,7 +1,8 @@
 """Lightning strategies: thin adapters from Lightning hooks to ``algorithms/`` and ``comm/``."""
 
+from lightning_dist.strategies.downpour import DownpourSGDStrategy
 from lightning_dist.strategies.dynamic import DynamicAveragingStrategy
 from lightning_dist.strategies.local_update import LocalUpdateStrategy, NonFiniteModelError
 from lightning_dist.strategies.periodic import PeriodicAveragingStrategy
 
-__all__ = ["DynamicAveragingStrategy", "LocalUpdateStrategy", "NonFiniteModelError", "PeriodicAveragingStrategy"]
+__all__ = ["DownpourSGDStrategy", "DynamicAveragingStrategy", "LocalUpdateStrategy", "NonFiniteModelError", "PeriodicAveragingStrategy"]

@@ -159,6 +159,20 @@ class LocalUpdateStrategy(DDPStrategy):
         """Extra protocol counters to log next to ``comm/*``."""
         return {}
 
+    def worker_state_dict(self) -> dict[str, Any]:
+        """Protocol state of this rank only (saved per rank, next to its replica)."""
+        return {}
+
+    def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``worker_state_dict`` returned on this rank."""
+
+    def consensus(self, purpose: str) -> Tensor:
+        """The one model every rank evaluates, checkpoints and ends ``fit`` with (a collective).
+
+        The average of the replicas here; a parameter server's global model in DownpourSGD.
+        """
+        return self.average_all(purpose)
+
     # ------------------------------------------------------------ averaging
 
     def average_all(self, purpose: str) -> Tensor:
@@ -233,13 +247,17 @@ class LocalUpdateStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.global_step != self._last_logged_step and trainer.global_step % trainer.log_every_n_steps == 0:
             self._last_logged_step = trainer.global_step
-            self.log_comm_stats()
+            self.log_progress()
+
+    def log_progress(self) -> None:
+        """Logging every ``log_every_n_steps`` during training: the summed counters (a collective)."""
+        self.log_comm_stats()
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self._is_fitting() and not self._replicas_in_sync:
             self._evaluation_stash = self.model_vector.get()
-            self.model_vector.set(self.average_all("evaluation"))
+            self.model_vector.set(self.consensus("evaluation"))
 
     def on_validation_end(self) -> None:
         super().on_validation_end()
@@ -250,7 +268,7 @@ class LocalUpdateStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if not self._replicas_in_sync:
-            self.model_vector.set(self.average_all("final"))
+            self.model_vector.set(self.consensus("final"))
             self._replicas_in_sync = True
         self.log_comm_stats()
 
@@ -275,8 +293,12 @@ class LocalUpdateStrategy(DDPStrategy):
 
     def refresh_comm_stats(self) -> CommStats:
         """Sum the counters over ranks now. A collective: call it on every rank at the same point."""
-        self._summed_stats = self.comm.summed_stats(self._syncs, self.root_device)
+        self._summed_stats = self.sum_comm_stats()
         return self._summed_stats
+
+    def sum_comm_stats(self) -> CommStats:
+        """This rank's part of ``refresh_comm_stats`` (the collective that sums the counters)."""
+        return self.comm.summed_stats(self._syncs, self.root_device)
 
     def log_comm_stats(self) -> None:
         """Sum the counters over ranks (a collective) and log them through the Trainer's loggers."""
@@ -290,13 +312,13 @@ class LocalUpdateStrategy(DDPStrategy):
     # ------------------------------------------------------------ checkpoints
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The averaged model, so a checkpoint loads as one model for inference or fine-tuning."""
+        """The consensus model (the average), so a checkpoint loads as one model for inference or fine-tuning."""
         module = self.lightning_module
         assert module is not None
         if not self._is_fitting() or self._replicas_in_sync or self._evaluation_stash is not None:
             return module.state_dict()
         local = self.model_vector.get()
-        self.model_vector.set(self.average_all("final"))
+        self.model_vector.set(self.consensus("final"))
         state = {key: value.clone() for key, value in module.state_dict().items()}
         self.model_vector.set(local)
         return state
@@ -325,6 +347,7 @@ class LocalUpdateStrategy(DDPStrategy):
             "vector": (self._evaluation_stash if self._evaluation_stash is not None else self.model_vector.get()).cpu(),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             "comm": self.comm.stats.state_dict(),
+            "worker": self.worker_state_dict(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "python_rng": random.getstate(),
@@ -363,6 +386,7 @@ class LocalUpdateStrategy(DDPStrategy):
         self._generator.set_state(state["generator"])
         self.comm.stats = CommStats.from_state_dict(replica["comm"])
         self.load_protocol_state_dict(state["protocol"])
+        self.load_worker_state_dict(replica.get("worker", {}))
         torch.set_rng_state(replica["torch_rng"])
         if replica["cuda_rng"]:
             torch.cuda.set_rng_state_all(replica["cuda_rng"])

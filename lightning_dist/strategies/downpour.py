@@ -1,0 +1,265 @@
+"""DownpourSGD (Dean et al. 2012; the base algorithm of paper 000), ``strategy="downpour_sgd"``.
+
+Every rank trains its own replica. Every ``push_every`` optimizer steps it sends its accumulated
+update to a parameter server and continues from the global model the server sends back, without
+waiting for the other ranks (``synchronous=False``). The server, a thread on rank 0, applies
+updates as they arrive (``lightning_dist.algorithms.parameter_server``; transport in
+``lightning_dist.strategies.parameter_server``).
+
+Asynchrony needs one change to Lightning's loop. Lightning 2.6 broadcasts a SIGTERM flag from
+rank 0 before every training batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``), a
+lockstep collective that makes every rank wait for the slowest. For Downpour runs only, this
+strategy replaces it on its own trainer's loop by nothing: torchrun and SLURM deliver SIGTERM to
+every rank, and Lightning already stops a rank that received it after the current batch. If a
+Lightning upgrade moves that broadcast, ``setup`` raises instead of silently running in lockstep
+(and the slow-rank test in ``tests/strategies/test_downpour.py`` fails).
+
+What stays synchronous: validation and checkpoints at epoch ends (Lightning's own collectives),
+which evaluate and save the server's global model, and the end of ``fit``, where every rank
+waits for the others and receives the final global model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from torch import Tensor
+
+from lightning_dist.algorithms.parameter_server import GlobalModel, accumulated_update
+from lightning_dist.comm import CommStats, Communicator
+from lightning_dist.strategies.local_update import LocalUpdateStrategy
+from lightning_dist.strategies.parameter_server import SERVER_RANK, ParameterServer, ParameterServerClient
+
+_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+
+
+class DownpourSGDStrategy(LocalUpdateStrategy):
+    """Asynchronous parameter-server training (DownpourSGD).
+
+    Args:
+        push_every: optimizer steps between pushes (``n_push`` of paper 000's DownpourSGD, default
+            5, the paper's "update frequency").
+        synchronous: if True, the server waits for one update from every rank before answering
+            any (a barrier per round), so synchronous and asynchronous training run the same code.
+        max_staleness: if set, an update based on a global model more than ``max_staleness``
+            versions old is dropped and the worker re-pulls the current model before going on
+            (staleness = updates the server applied between the worker's pull and its push).
+            None (default) applies every update, as DownpourSGD does.
+        finish_timeout: seconds rank 0 waits at the end of ``fit`` for the other ranks to finish
+            their last steps.
+        **kwargs: passed to :class:`LocalUpdateStrategy` (``seed`` and Lightning's DDP arguments).
+    """
+
+    strategy_name = "downpour_sgd"
+
+    def __init__(
+        self,
+        push_every: int = 5,
+        synchronous: bool = False,
+        max_staleness: int | None = None,
+        finish_timeout: float = 1800.0,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(push_every, bool) or not isinstance(push_every, int) or push_every < 1:
+            raise ValueError(f"push_every must be an integer >= 1 (optimizer steps between pushes); got {push_every!r}")
+        if not isinstance(synchronous, bool):
+            raise ValueError(f"synchronous must be True or False; got {synchronous!r}")
+        if max_staleness is not None and (
+            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+        ):
+            raise ValueError(f"max_staleness must be None or an integer >= 0 (server versions); got {max_staleness!r}")
+        if not (isinstance(finish_timeout, (int, float)) and finish_timeout > 0):
+            raise ValueError(f"finish_timeout must be a number of seconds > 0; got {finish_timeout!r}")
+        super().__init__(**kwargs)
+        self.push_every = push_every
+        self.synchronous = synchronous
+        self.max_staleness = max_staleness
+        self.finish_timeout = float(finish_timeout)
+        self._ps_comm: Communicator | None = None
+        self._server: ParameterServer | None = None
+        self._client: ParameterServerClient | None = None
+        self._pulled: Tensor | None = None
+        self._pulled_version = 0
+        self._steps_since_push = 0
+        self._rejected_pushes = 0
+        self._restored_server: Mapping[str, Any] | None = None
+        self._checkpoint_server_state: dict[str, Any] | None = None
+        self._final_server_state: dict[str, Any] | None = None
+        self._final_server_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Gloo whatever the model's backend: the server receives from any rank, which NCCL cannot.
+        self._ps_comm = Communicator(dist.new_group(backend="gloo"))
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not callable(getattr(epoch_loop, _SIGTERM_BROADCAST, None)):
+            raise RuntimeError(
+                f"DownpourSGDStrategy cannot make this Lightning version asynchronous: "
+                f"{type(epoch_loop).__name__}.{_SIGTERM_BROADCAST} (the per-step SIGTERM broadcast of "
+                "Lightning 2.6) is gone, so the per-step synchronization may have moved; pin lightning 2.6"
+            )
+        # Every rank receives SIGTERM itself (torchrun, SLURM); Lightning stops it after the batch.
+        setattr(epoch_loop, _SIGTERM_BROADCAST, lambda: None)
+
+    def on_replicas_initialized(self, vector: Tensor) -> None:
+        self._pulled = vector.detach().cpu().clone()
+        self._pulled_version = 0
+        self._steps_since_push = 0
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        ps_comm = self._require_ps_comm()
+        if ps_comm.rank == SERVER_RANK:
+            assert self._pulled is not None
+            model = GlobalModel(self._pulled, self.max_staleness)
+            if self._restored_server is not None:
+                model.load_state_dict(self._restored_server)
+            self._server = ParameterServer(ps_comm, model, self.synchronous)
+            self._server.start()
+        else:
+            self._client = ParameterServerClient(ps_comm, bounded=self.max_staleness is not None)
+        # No push may reach the server before it exists and holds the restored state.
+        dist.barrier(group=self.comm.group)
+
+    # ------------------------------------------------------------------ the protocol
+
+    def after_local_step(self, step: int) -> None:
+        self._steps_since_push += 1
+        if self._steps_since_push >= self.push_every:
+            self._push()
+
+    def _push(self) -> None:
+        assert self._pulled is not None
+        local = self.model_vector.get().cpu()
+        update = accumulated_update(local, self._pulled)
+        if self._server is not None:
+            reply = self._server.push_local(update, self._pulled_version)
+        else:
+            assert self._client is not None
+            reply = self._client.push(update, self._pulled_version)
+        if not reply.applied:
+            self._rejected_pushes += 1
+        self._pulled = reply.vector
+        self._pulled_version = reply.version
+        self.model_vector.set(reply.vector.to(self.root_device))
+        self._steps_since_push = 0
+        self._syncs += 1
+
+    def consensus(self, purpose: str) -> Tensor:
+        """The server's global model, broadcast from rank 0 (all ranks evaluate the same model)."""
+        if self._server is not None:
+            vector, _ = self._server.snapshot()
+            vector = vector.to(self.root_device)
+        else:
+            vector = torch.empty_like(self.model_vector.get())
+        return self.comm.broadcast_(vector, src=SERVER_RANK, purpose=purpose)
+
+    def on_train_end(self) -> None:
+        if self._server is not None or self._client is not None:
+            if self._steps_since_push > 0:
+                self._push()
+            if self._server is not None:
+                self._server.finish_local(self.finish_timeout)
+            else:
+                assert self._client is not None
+                self._client.done()
+        self._replicas_in_sync = False  # every rank now takes the final global model
+        super().on_train_end()
+        if self._server is not None:
+            self._final_server_state = self._server.state_dict()
+            self._final_server_metrics = self._server.metrics()
+        self._server = None
+        self._client = None
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self._client is not None:
+            self._client.abort()
+        if self._server is not None:
+            self._server.abort(f"rank {SERVER_RANK} stopped with {type(exception).__name__}: {exception}")
+            self._server.close(timeout=30.0)
+        super().on_exception(exception)
+        if _distributed_is_initialized() and self._ps_comm is not None and self._ps_comm.group is not None:
+            dist.destroy_process_group(self._ps_comm.group)
+            self._ps_comm = None
+
+    # ------------------------------------------------------------------ counters and state
+
+    def sum_comm_stats(self) -> CommStats:
+        extra = self._ps_comm.stats if self._ps_comm is not None else None
+        return self.comm.summed_stats(self._syncs, self.root_device, extra=extra, sum_syncs=True)
+
+    def log_progress(self) -> None:
+        """Mid-epoch logging without a collective (ranks are not in step): rank 0's server counters.
+
+        The counters summed over ranks (``comm/*``) are logged after each validation and at the
+        end of ``fit``, where all ranks meet anyway.
+        """
+        trainer = self.lightning_module.trainer
+        if self._server is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.protocol_metrics(), step=trainer.global_step)
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self._is_fitting():
+            self.log_comm_stats()
+
+    def protocol_metrics(self) -> dict[str, float]:
+        metrics = {"downpour/rejected_pushes_local": float(self._rejected_pushes)}
+        metrics.update(self._server.metrics() if self._server is not None else self._final_server_metrics)
+        return metrics
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # All ranks are here (Lightning saves on every rank) and none is pushing: take the server
+        # state now so the checkpoint's global model, server state and worker states agree.
+        if self._is_fitting() and (self._server is not None or self._client is not None):
+            dist.barrier(group=self.comm.group)
+            if self._server is not None:
+                self._checkpoint_server_state = self._server.state_dict()
+        return super().lightning_module_state_dict()
+
+    def protocol_state_dict(self) -> dict[str, Any]:
+        state = self._checkpoint_server_state
+        self._checkpoint_server_state = None
+        if state is None:
+            state = self._server.state_dict() if self._server is not None else self._final_server_state
+        return {"server": state}
+
+    def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._restored_server = state["server"]
+
+    def worker_state_dict(self) -> dict[str, Any]:
+        ps_stats = self._ps_comm.stats.state_dict() if self._ps_comm is not None else None
+        return {
+            "pulled": None if self._pulled is None else self._pulled.clone(),
+            "pulled_version": self._pulled_version,
+            "steps_since_push": self._steps_since_push,
+            "rejected_pushes": self._rejected_pushes,
+            "pushes": self._syncs,
+            "ps_comm": ps_stats,
+        }
+
+    def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("pulled") is not None:
+            self._pulled = state["pulled"].clone()
+        self._pulled_version = int(state.get("pulled_version", 0))
+        self._steps_since_push = int(state.get("steps_since_push", 0))
+        self._rejected_pushes = int(state.get("rejected_pushes", 0))
+        self._syncs = int(state.get("pushes", self._syncs))  # per rank: ranks push at their own pace
+        if state.get("ps_comm") is not None:
+            self._require_ps_comm().stats = CommStats.from_state_dict(state["ps_comm"])
+
+    def _require_ps_comm(self) -> Communicator:
+        if self._ps_comm is None:
+            raise RuntimeError("DownpourSGDStrategy is not set up: its parameter-server group does not exist yet")
+        return self._ps_comm

@@ -1,0 +1,111 @@
+"""Worker for DownpourSGD tests: one Lightning fit under torchrun, results per rank.
+
+Spec keys: ``strategy`` kwargs, ``data``, ``trainer`` (extra Trainer arguments), optional
+``slow`` (``{"rank": r, "seconds": s}``: sleep before every batch of that rank), ``raise_at``
+(``{"rank": r, "step": s}``), ``nan`` (``{"rank": r, "step": s}``), ``checkpoint_dir``,
+``ckpt_path``. Usage: see tests/helpers/launch.py.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_dist import DownpourSGDStrategy
+from lightning_dist.data.datamodules import DigitsDataModule
+from lightning_dist.models import MLPClassifier
+
+
+class RecordingDownpour(DownpourSGDStrategy):
+    """Also sums the updates the server accepted from this rank (for the server invariant)."""
+
+    def _push(self) -> None:
+        update = self.model_vector.get().cpu() - self._pulled
+        rejected_before = self._rejected_pushes
+        super()._push()
+        if self._rejected_pushes == rejected_before:
+            self.accepted_sum = getattr(self, "accepted_sum", torch.zeros_like(update)) + update.double()
+
+
+class Timing(Callback):
+    def __init__(self, slow: dict | None) -> None:
+        self.slow = slow
+        self.batch_end_times: list[float] = []
+        self.start_vector = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.start_vector = trainer.strategy.model_vector.get().clone()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.slow and trainer.global_rank == self.slow["rank"]:
+            time.sleep(self.slow["seconds"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batch_end_times.append(time.perf_counter())
+
+
+class Fail(Callback):
+    def __init__(self, rank: int, step: int, nan: bool) -> None:
+        self.rank, self.step, self.nan = rank, step, nan
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if not self.nan:
+                raise RuntimeError(f"injected failure on rank {self.rank}")
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("nan"))
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    L.seed_everything(spec.get("seed", 0), workers=True)
+    strategy = RecordingDownpour(**spec.get("strategy", {}))
+    datamodule = DigitsDataModule(**spec.get("data", {}))
+    torch.manual_seed(1000 + int(os.environ.get("RANK", "0")))  # the strategy must make replicas identical
+    model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes,
+                          **spec.get("model", {}))
+    timing = Timing(spec.get("slow"))
+    callbacks = [timing]
+    for key in ("raise_at", "nan"):
+        if key in spec:
+            callbacks.append(Fail(spec[key]["rank"], spec[key]["step"], nan=key == "nan"))
+    if spec.get("checkpoint_dir"):
+        callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_top_k=-1, every_n_epochs=1,
+                                         filename="{epoch}-{step}"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(spec.get("checkpoint_dir")),
+        callbacks=callbacks, num_sanity_val_steps=0, deterministic=True, **spec.get("trainer", {}),
+    )
+    error = None
+    start = time.perf_counter()
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=spec.get("ckpt_path"))
+    except Exception as exc:  # reported to the test, which asserts on it
+        error = f"{type(exc).__name__}: {exc}"
+    result = {"error": error, "rank": trainer.global_rank, "fit_s": time.perf_counter() - start,
+              "batch_end_times": [t - start for t in timing.batch_end_times]}
+    if error is None:
+        strategy = trainer.strategy
+        result.update(
+            vector=strategy.model_vector.get(),
+            start_vector=timing.start_vector,
+            comm=strategy.comm_stats,
+            server=strategy.protocol_state_dict()["server"],
+            metrics=strategy.protocol_metrics(),
+            pushes=strategy._syncs,
+            accepted_sum=getattr(strategy, "accepted_sum", None),
+            global_step=trainer.global_step,
+            callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+        )
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
