@@ -6,8 +6,8 @@ Usage (normally through ``benchmarks/averaging.py``)::
         --master_port=PORT benchmarks/_worker.py spec.json
 
 ``spec.json`` holds ``name``, ``strategy`` (``{"class": ..., "kwargs": {...}}``), ``data``
-(MNIST1DDataModule arguments), ``model`` (MLPClassifier arguments), ``epochs``, ``seed``,
-``out`` (the JSON file to write), and optionally ``drift`` (``{"epoch": E, "permutation": [...]}``:
+(the datamodule's arguments), ``model`` (MLPClassifier arguments), ``epochs``, ``seed``,
+``out`` (the JSON file to write), ``dataset`` (``"mnist1d"``, the default, or ``"digits"``), and optionally ``drift`` (``{"epoch": E, "permutation": [...]}``:
 from the start of epoch ``E`` every split returns ``permutation[y]``) and ``probe`` (record, on
 every rank, the squared distance ``||f_i - r||^2`` that dynamic averaging tests at each check,
 before the check acts; used to calibrate the divergence thresholds).
@@ -35,26 +35,32 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 import lightning_dist
-from lightning_dist.data.datamodules import MNIST1DDataModule
+from lightning_dist.data.datamodules import DigitsDataModule, MNIST1DDataModule
 from lightning_dist.models import MLPClassifier
 
 
-class BenchmarkMNIST1D(MNIST1DDataModule):
-    """MNIST1DDataModule whose validation loader uses ``eval_batch_size`` (larger batches, same metrics).
+def with_eval_batch_size(base: type) -> type:
+    """``base`` (an ArrayDataModule) whose validation loader uses ``eval_batch_size`` (same metrics).
 
     Validation runs every epoch on the averaged model; with small batches it would take longer
     than the training epoch itself. Accuracy counts and the per-example mean loss do not depend on
     the batch size.
     """
 
-    def __init__(self, eval_batch_size: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.eval_batch_size = eval_batch_size
+    class EvalBatched(base):
+        def __init__(self, eval_batch_size: int | None = None, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.eval_batch_size = eval_batch_size
 
-    def val_dataloader(self) -> DataLoader:
-        if self.eval_batch_size is None:
-            return super().val_dataloader()
-        return DataLoader(self._require_setup(self.val_set), batch_size=self.eval_batch_size, num_workers=0)
+        def val_dataloader(self) -> DataLoader:
+            if self.eval_batch_size is None:
+                return super().val_dataloader()
+            return DataLoader(self._require_setup(self.val_set), batch_size=self.eval_batch_size, num_workers=0)
+
+    return EvalBatched
+
+
+DATASETS = {"mnist1d": MNIST1DDataModule, "digits": DigitsDataModule}
 
 
 class EpochRecorder(Callback):
@@ -120,7 +126,7 @@ def main() -> None:
     if spec.get("probe"):
         strategy_cls = probe_class(strategy_cls)
     strategy = strategy_cls(seed=seed, **spec["strategy"].get("kwargs", {}))
-    datamodule = BenchmarkMNIST1D(seed=seed, **spec.get("data", {}))
+    datamodule = with_eval_batch_size(DATASETS[spec.get("dataset", "mnist1d")])(seed=seed, **spec.get("data", {}))
     model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, **spec.get("model", {}))
     recorder = EpochRecorder()
     callbacks: list[Callback] = [recorder]

@@ -1,6 +1,6 @@
 """Benchmark of paper 004's claim: dynamic averaging matches periodic averaging's accuracy with fewer bytes.
 
-Every run trains the same task (MNIST-1D, a small MLP, plain SGD with momentum, the same seed and
+Every run trains the same task (scikit-learn digits, a small MLP, plain SGD, the same seed and
 number of ranks) under one strategy, as one ``torchrun`` launch of ``benchmarks/_worker.py``:
 
 - periodic averaging (``PeriodicAveragingStrategy``) with several periods;
@@ -43,31 +43,32 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import REPO, RunFailed, launch  # noqa: E402
 
-# The task, the same for every strategy. Calibrated on this 2-core machine (see README.md):
-# 8000 MNIST-1D examples, 40 % for training (400 per rank with 8 ranks, 20 steps per epoch at
-# batch size 20) and 60 % for validation (4800 examples: one accuracy point is 48 examples;
-# validated in batches of 600, which changes no metric and halves the time spent validating).
-# 60 epochs take the replicas from the learning phase into the memorized phase (training loss
-# near 0), where frequently synchronized models stop moving.
+# The task, the same for every strategy: scikit-learn digits (1797 images), 30 % held out for
+# validation (540 examples), the rest split iid over the ranks (157 each with 8 ranks, 16 steps per
+# epoch at batch size 10), a 64-64-64-10 MLP trained by plain SGD, learning rate 0.3 and no momentum,
+# close to paper 004's MNIST setting (mini-batch SGD, B = 10, eta = 0.25 for the distributed
+# learners). Unlike MNIST-1D, which an MLP never fits, this task converges within the run, which
+# is the regime the paper's claim is about: once the replicas agree, periodic averaging keeps
+# paying while dynamic averaging goes quiet.
 TASK: dict[str, Any] = {
-    "data": {"num_samples": 8000, "val_fraction": 0.6, "batch_size": 20, "partition": "iid", "eval_batch_size": 600},
-    "model": {"hidden_size": 256, "learning_rate": 0.1, "momentum": 0.9},
+    "dataset": "digits",
+    "data": {"batch_size": 10, "partition": "iid", "val_fraction": 0.3, "eval_batch_size": 600},
+    "model": {"hidden_size": 64, "learning_rate": 0.3, "momentum": 0.0},
     "epochs": 60,
     "seed": 0,
 }
+# One validation accuracy point is 5.4 examples, and the accuracy of a single epoch moves by about
+# a point from one epoch to the next; runs are compared on the mean over the last epochs.
+SCORE_EPOCHS = 5
 PERIODS = [1, 5, 10, 20, 50]
 FEDAVG = {"period": 10, "client_fraction": 0.5}
 CHECK_EVERY = 10
-# ||f_i - r||^2 after 10 local steps is about 5 to 30 in the learning phase of this model
-# (see the probe columns of averaging.json), so 4 violates at almost every check and 256 rarely.
-THRESHOLDS = [4.0, 16.0, 64.0, 256.0]
-# Concept drift: the same task, labels y -> (y + 1) mod 10 from epoch DRIFT_AT on. Delta = 4
-# keeps the replicas close enough to converge (its communication stops around epoch 55 of the
-# comparison); periodic b = 10 spends the same bytes per epoch as Delta = 4 while learning.
-# Relearning the permuted labels takes longer than the first convergence (communication starts
-# to fall about 55 epochs after the drift), hence 70 epochs after it.
-DRIFT_EPOCHS = 130
-DRIFT_AT = 60
+# ||f_i - r||^2 after 10 local steps is about 0.15 to 10 (10th to 90th percentile) on this task (see the probe
+# columns of averaging.json), so 1 is violated often and 8 rarely.
+THRESHOLDS = [1.0, 2.0, 4.0, 8.0]
+# Concept drift: the same task, labels y -> (y + 1) mod 10 from epoch DRIFT_AT on.
+DRIFT_EPOCHS = 100
+DRIFT_AT = 50
 DRIFT_THRESHOLD = 4.0
 DRIFT_PERIOD = 10
 
@@ -77,7 +78,7 @@ TARGET_RATIO = 10.0
 
 def comparison_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     periods = [10, 50] if args.quick else PERIODS
-    thresholds = args.thresholds or ([16.0, 256.0] if args.quick else THRESHOLDS)
+    thresholds = args.thresholds or ([1.0, 8.0] if args.quick else THRESHOLDS)
     runs = [
         {"name": f"periodic_b{period}", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": period}}}
         for period in periods
@@ -101,8 +102,6 @@ def comparison_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
 def task(args: argparse.Namespace, epochs: int) -> dict[str, Any]:
     spec = {key: value for key, value in TASK.items() if key != "epochs"}
     spec["epochs"] = epochs
-    if args.quick:
-        spec["data"] = {**spec["data"], "num_samples": 4000}
     return spec
 
 
@@ -119,13 +118,19 @@ def run_all(runs: list[dict[str, Any]], base: dict[str, Any], args: argparse.Nam
             results.append({"name": spec["name"], "strategy": run["strategy"]["class"],
                             "params": run["strategy"]["kwargs"], "error": str(exc)})
             continue
-        print(f"acc {result['final_val_acc']:.4f}, protocol {result['protocol_bytes'] / 1e6:.2f} MB, "
+        print(f"acc {score(result):.4f}, protocol {result['protocol_bytes'] / 1e6:.2f} MB, "
               f"{result['launch_s']:.0f} s (fit {result['fit_s']:.0f} s)", flush=True)
         results.append(result)
     return results
 
 
 # ---------------------------------------------------------------- comparison
+
+
+def score(result: dict[str, Any]) -> float:
+    """Mean validation accuracy of the averaged model over the last ``SCORE_EPOCHS`` epochs."""
+    last = [epoch["val_acc"] for epoch in result["curve"][-SCORE_EPOCHS:]]
+    return sum(last) / len(last)
 
 
 def kind(result: dict[str, Any]) -> str:
@@ -139,25 +144,27 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     periodic = [r for r in ok if kind(r) == "periodic"]
     if not periodic:
         return {"error": "no periodic run finished"}
-    # Best by final accuracy; among equal accuracies the cheaper one.
-    best = max(periodic, key=lambda r: (r["final_val_acc"], -r["protocol_bytes"]))
+    # Best by score (mean accuracy of the last epochs); among equal scores the cheaper one.
+    best = max(periodic, key=lambda r: (score(r), -r["protocol_bytes"]))
     rows = []
     for r in ok:
-        diff = 100.0 * (r["final_val_acc"] - best["final_val_acc"])
+        diff = 100.0 * (score(r) - score(best))
         ratio = best["protocol_bytes"] / r["protocol_bytes"] if r["protocol_bytes"] else math.inf
         rows.append({
             "name": r["name"], "kind": kind(r), "params": r["params"],
-            "final_val_acc": r["final_val_acc"], "acc_diff_points": diff,
+            "final_val_acc": r["final_val_acc"], "score": score(r), "acc_diff_points": diff,
             "protocol_bytes": r["protocol_bytes"], "byte_ratio": ratio,
             "meets_target": kind(r) == "dynamic" and diff >= -TARGET_POINTS and ratio >= TARGET_RATIO,
         })
     return {
         "best_periodic": {"name": best["name"], "params": best["params"], "final_val_acc": best["final_val_acc"],
+                          "score": score(best),
                           "protocol_bytes": best["protocol_bytes"]},
         "target": f"a dynamic setting within {TARGET_POINTS:g} accuracy point of the best periodic setting "
                   f"with at least {TARGET_RATIO:g}x fewer protocol bytes",
         "byte_ratio_definition": "best periodic protocol bytes / this run's protocol bytes",
-        "acc_diff_definition": "100 * (this run's final val_acc - best periodic final val_acc)",
+        "score_definition": f"mean val_acc of the averaged model over the last {SCORE_EPOCHS} epochs",
+        "acc_diff_definition": "100 * (this run's score - best periodic score)",
         "runs": rows,
         "dynamic": [row for row in rows if row["kind"] == "dynamic"],
         "target_met_by": [row["name"] for row in rows if row["meets_target"]],
@@ -189,7 +196,7 @@ def describe(params: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     by_name = {row["name"]: row for row in summary.get("runs", [])}
-    header = (f"{'run':<22} {'strategy':<9} {'params':<20} {'final acc':>9} {'d pts':>6} {'protocol MB':>12} "
+    header = (f"{'run':<22} {'strategy':<9} {'params':<20} {'acc last5':>9} {'d pts':>6} {'protocol MB':>12} "
               f"{'total MB':>10} {'syncs':>6} {'ratio':>7}")
     lines = [header, "-" * len(header)]
     for r in results:
@@ -198,7 +205,7 @@ def table(results: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             continue
         row = by_name[r["name"]]
         lines.append(
-            f"{r['name']:<22} {row['kind']:<9} {describe(r['params']):<20} {r['final_val_acc']:>9.4f} "
+            f"{r['name']:<22} {row['kind']:<9} {describe(r['params']):<20} {score(r):>9.4f} "
             f"{row['acc_diff_points']:>+6.2f} {r['protocol_bytes'] / 1e6:>12.2f} {r['bytes_sent'] / 1e6:>10.2f} "
             f"{r['syncs']:>6d} {row['byte_ratio']:>6.1f}x"
         )
@@ -228,14 +235,14 @@ def plot_comparison(results: list[dict[str, Any]], path: Path) -> None:
         if not points:
             continue
         xs, ys = zip(*points)
-        label = f"{k} {describe(r['params'])}: {r['final_val_acc']:.3f}, {r['protocol_bytes'] / 1e6:.1f} MB"
+        label = f"{k} {describe(r['params'])}: {score(r):.3f}, {r['protocol_bytes'] / 1e6:.1f} MB"
         ax.plot(xs, ys, color=color, linewidth=1.4, label=label)
         ax.plot(xs[-1], ys[-1], marker=markers[k], color=color, markersize=8, markeredgecolor="black")
     ax.set_xscale("log")
     ax.set_xlabel("cumulative protocol bytes (summed over ranks)")
     ax.set_ylabel("validation accuracy of the averaged model")
     world = ok[0]["world_size"] if ok else "?"
-    ax.set_title(f"MNIST-1D, {world} ranks: accuracy vs communication (marker = end of training)")
+    ax.set_title(f"digits, {world} ranks: accuracy vs communication (marker = end of training)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -288,7 +295,7 @@ def plot_drift(results: list[dict[str, Any]], drift_at: int, path: Path) -> None
     bottom.set_xlabel("epoch")
     top.legend(fontsize=8)
     world = ok[0]["world_size"] if ok else "?"
-    top.set_title(f"Concept drift (labels permuted from epoch {drift_at}), MNIST-1D, {world} ranks")
+    top.set_title(f"Concept drift (labels permuted from epoch {drift_at}), digits, {world} ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=8, help="processes per run (default 8)")
     parser.add_argument("--epochs", type=int, default=None, help=f"epochs of the comparison (default {TASK['epochs']})")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output folder")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run: fewer runs, epochs and samples")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run: fewer runs and epochs")
     parser.add_argument("--thresholds", type=float, nargs="+", default=None, help="dynamic divergence thresholds")
     parser.add_argument("--check-every", type=int, default=CHECK_EVERY, help="steps between dynamic checks")
     parser.add_argument("--no-drift", action="store_true", help="skip the concept-drift part")
