@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("config", ["dynamic_avg", "periodic_avg", "fedavg"])
+@pytest.mark.parametrize("config", ["dynamic_avg", "periodic_avg", "fedavg", "downpour_sgd"])
 def test_config_runs(tmp_path, config):
     command = [sys.executable, "-m", "lightning_dist.cli", "fit", "--config", str(REPO / "configs" / f"{config}.yaml"),
                "--trainer.max_steps=12", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
