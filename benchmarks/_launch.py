@@ -26,8 +26,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(spec: dict[str, Any], ranks: int, work_dir: Path, timeout: float) -> dict[str, Any]:
-    """Run one spec under torchrun; return the worker's JSON result (with ``launch_s`` added).
+def launch(
+    spec: dict[str, Any], ranks: int, work_dir: Path, timeout: float, worker: Path = WORKER
+) -> dict[str, Any]:
+    """Run one spec under torchrun with ``worker``; return its JSON result (with ``launch_s`` added).
 
     The spec goes to ``work_dir/<name>.spec.json``, the processes' output to ``<name>.log``.
     """
@@ -40,7 +42,7 @@ def launch(spec: dict[str, Any], ranks: int, work_dir: Path, timeout: float) -> 
     log_path = work_dir / f"{name}.log"
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(spec_path),
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(worker), str(spec_path),
     ]
     env = {
         **os.environ,

@@ -243,7 +243,8 @@ class ParameterServer:
         vector = self.model.vector.clone()
         self._round.clear()
         for rank, outcome in zip(ranks, outcomes):
-            reply = self._reply_of(outcome, vector)
+            # Every rank continues from the round's result, so from its version.
+            reply = Reply(outcome.accepted, self.model.version, outcome.staleness, vector)
             if rank == SERVER_RANK:
                 self._local_reply = reply
             else:
