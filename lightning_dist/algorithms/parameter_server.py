@@ -22,6 +22,14 @@ import torch
 from torch import Tensor
 
 
+def check_max_staleness(max_staleness: int | None) -> None:
+    """Raise a ValueError naming ``max_staleness`` unless it is None or an integer >= 0."""
+    if max_staleness is not None and (
+        isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+    ):
+        raise ValueError(f"max_staleness must be None or an integer >= 0 (server versions); got {max_staleness!r}")
+
+
 def accumulated_update(local: Tensor, pulled: Tensor) -> Tensor:
     """The update a Downpour worker pushes: ``local - pulled``.
 
@@ -49,9 +57,7 @@ class GlobalModel:
     """
 
     def __init__(self, vector: Tensor, max_staleness: int | None = None) -> None:
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
-                                          or max_staleness < 0):
-            raise ValueError(f"max_staleness must be None or an integer >= 0; got {max_staleness!r}")
+        check_max_staleness(max_staleness)
         self.vector = vector.detach().clone()
         self.max_staleness = max_staleness
         self.version = 0

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import Tensor
 
-from lightning_dist.algorithms.parameter_server import GlobalModel, accumulated_update
+from lightning_dist.algorithms.parameter_server import GlobalModel, accumulated_update, check_max_staleness
 from lightning_dist.comm import CommStats, Communicator
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 from lightning_dist.strategies.parameter_server import SERVER_RANK, ParameterServer, ParameterServerClient
@@ -69,10 +69,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             raise ValueError(f"push_every must be an integer >= 1 (optimizer steps between pushes); got {push_every!r}")
         if not isinstance(synchronous, bool):
             raise ValueError(f"synchronous must be True or False; got {synchronous!r}")
-        if max_staleness is not None and (
-            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
-        ):
-            raise ValueError(f"max_staleness must be None or an integer >= 0 (server versions); got {max_staleness!r}")
+        check_max_staleness(max_staleness)
         if not (isinstance(finish_timeout, (int, float)) and finish_timeout > 0):
             raise ValueError(f"finish_timeout must be a number of seconds > 0; got {finish_timeout!r}")
         super().__init__(**kwargs)
@@ -204,10 +201,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         The counters summed over ranks (``comm/*``) are logged after each validation and at the
         end of ``fit``, where all ranks meet anyway.
         """
-        trainer = self.lightning_module.trainer
         if self._server is not None:
-            for logger in trainer.loggers:
-                logger.log_metrics(self.protocol_metrics(), step=trainer.global_step)
+            self.log_metrics(self.protocol_metrics())
 
     def on_validation_end(self) -> None:
         super().on_validation_end()

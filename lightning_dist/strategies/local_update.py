@@ -303,9 +303,13 @@ class LocalUpdateStrategy(DDPStrategy):
     def log_comm_stats(self) -> None:
         """Sum the counters over ranks (a collective) and log them through the Trainer's loggers."""
         self.refresh_comm_stats()
+        if self.is_global_zero:
+            self.log_metrics({**self._summed_stats.metrics(), **self.protocol_metrics()})
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Send ``metrics`` to the Trainer's loggers at the current global step (no collective)."""
         trainer = self.lightning_module.trainer
-        if trainer is not None and self.is_global_zero:
-            metrics = {**self._summed_stats.metrics(), **self.protocol_metrics()}
+        if trainer is not None:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
