@@ -4,6 +4,7 @@ Importing the package registers the strategy names ``"dynamic_avg"``, ``"periodi
 ``"fedavg"`` and ``"downpour_sgd"`` with Lightning's ``StrategyRegistry``.
 """
 
+from lightning_dist.callbacks import DataGossip
 from lightning_dist.comm import CommStats
 from lightning_dist.registry import register_strategies
 from lightning_dist.strategies import (
@@ -18,6 +19,7 @@ register_strategies()
 
 __all__ = [
     "CommStats",
+    "DataGossip",
     "DownpourSGDStrategy",
     "DynamicAveragingStrategy",
     "LocalUpdateStrategy",

@@ -16,7 +16,8 @@ class MLPClassifier(L.LightningModule):
     """Two hidden ReLU layers of ``hidden_size`` units, cross-entropy loss, SGD.
 
     Logs ``train_loss`` every step, ``val_loss``/``val_acc`` and ``test_loss``/``test_acc`` per epoch,
-    averaged over all ranks.
+    averaged over all ranks. ``training_step`` returns ``{"loss": ..., "per_example_loss": ...}``,
+    the form :class:`~lightning_dist.callbacks.DataGossip` needs.
     """
 
     def __init__(
@@ -50,11 +51,17 @@ class MLPClassifier(L.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """The mean cross-entropy as ``loss``, plus each example's loss as ``per_example_loss``.
+
+        ``per_example_loss`` (detached) is what :class:`lightning_dist.callbacks.DataGossip` records
+        to select records; Lightning optimizes ``loss`` and ignores the other key.
+        """
         x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
+        per_example = nn.functional.cross_entropy(self(x), y, reduction="none")
+        loss = per_example.mean()
         self.log("train_loss", loss, on_step=True, on_epoch=False)
-        return loss
+        return {"loss": loss, "per_example_loss": per_example.detach()}
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_acc)
