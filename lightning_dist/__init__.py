@@ -1,7 +1,7 @@
 """lightning-dist: distributed-training algorithms from research papers as Lightning strategies.
 
 Importing the package registers the strategy names ``"dynamic_avg"``, ``"periodic_avg"``,
-``"fedavg"`` and ``"downpour_sgd"`` with Lightning's ``StrategyRegistry``.
+``"fedavg"``, ``"downpour_sgd"`` and ``"segmented_gossip"`` with Lightning's ``StrategyRegistry``.
 """
 
 from lightning_dist.callbacks import DataGossip
@@ -13,6 +13,7 @@ from lightning_dist.strategies import (
     LocalUpdateStrategy,
     NonFiniteModelError,
     PeriodicAveragingStrategy,
+    SegmentedGossipStrategy,
 )
 
 register_strategies()
@@ -25,6 +26,7 @@ __all__ = [
     "LocalUpdateStrategy",
     "NonFiniteModelError",
     "PeriodicAveragingStrategy",
+    "SegmentedGossipStrategy",
     "register_strategies",
 ]
 __version__ = "0.1.0"

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dist.strategies import DownpourSGDStrategy, DynamicAveragingStrategy, PeriodicAveragingStrategy
+from lightning_dist.strategies import (
+    DownpourSGDStrategy,
+    DynamicAveragingStrategy,
+    PeriodicAveragingStrategy,
+    SegmentedGossipStrategy,
+)
 
 FEDAVG_CLIENT_FRACTION = 0.5
 """Client fraction ``C`` behind the name ``"fedavg"``; pass a strategy object for another ``C``."""
@@ -23,6 +28,7 @@ def register_strategies() -> None:
         ("fedavg", PeriodicAveragingStrategy, "FedAvg: periodic averaging of a random client fraction",
          {"client_fraction": FEDAVG_CLIENT_FRACTION}),
         ("downpour_sgd", DownpourSGDStrategy, "DownpourSGD: asynchronous parameter server (Dean et al. 2012)", {}),
+        ("segmented_gossip", SegmentedGossipStrategy, "Segmented gossip: segments pulled from random peers (Combo, 2019)", {}),
     ]
     for name, strategy, description, init_params in entries:
         if name not in StrategyRegistry:

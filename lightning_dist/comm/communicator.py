@@ -82,6 +82,22 @@ class Communicator:
             request.wait()
         return buffers
 
+    def exchange(
+        self, sends: Sequence[tuple[Tensor, int]], receives: Sequence[tuple[Tensor, int]], purpose: str
+    ) -> None:
+        """One batch of point-to-point transfers: send each ``(tensor, dst)``, receive into each ``(buffer, src)``.
+
+        All sends and receives are posted together (``batch_isend_irecv``) and waited for, so ranks
+        that serve each other cannot deadlock. Counted at the sender: one message per send. Between
+        one pair of ranks, receives must be listed in the order of the matching sends.
+        """
+        operations = [dist.P2POp(dist.isend, tensor.contiguous(), dst, group=self.group) for tensor, dst in sends]
+        operations += [dist.P2POp(dist.irecv, buffer, src, group=self.group) for buffer, src in receives]
+        if operations:
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+        self.stats.record(purpose, sum(_nbytes(tensor) for tensor, _ in sends), len(sends))
+
     def send_object(self, payload: bytes, destination: int, purpose: str, device: torch.device) -> None:
         """Send a byte string (length first, then the bytes) to one rank."""
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)

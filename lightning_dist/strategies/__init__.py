@@ -4,5 +4,13 @@ from lightning_dist.strategies.downpour import DownpourSGDStrategy
 from lightning_dist.strategies.dynamic import DynamicAveragingStrategy
 from lightning_dist.strategies.local_update import LocalUpdateStrategy, NonFiniteModelError
 from lightning_dist.strategies.periodic import PeriodicAveragingStrategy
+from lightning_dist.strategies.segmented_gossip import SegmentedGossipStrategy
 
-__all__ = ["DownpourSGDStrategy", "DynamicAveragingStrategy", "LocalUpdateStrategy", "NonFiniteModelError", "PeriodicAveragingStrategy"]
+__all__ = [
+    "DownpourSGDStrategy",
+    "DynamicAveragingStrategy",
+    "LocalUpdateStrategy",
+    "NonFiniteModelError",
+    "PeriodicAveragingStrategy",
+    "SegmentedGossipStrategy",
+]

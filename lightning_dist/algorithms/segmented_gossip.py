@@ -1,0 +1,196 @@
+"""Segmented gossip aggregation (paper 002, the "Combo" prototype, 2019; DESIGN section 3.4).
+
+Every ``tau`` local steps each of the ``m`` workers splits its flattened model ``W`` into ``S``
+contiguous, non-overlapping, nearly equal segments ``W = (W[1], ..., W[S])`` (eq. 1). For every
+segment ``l`` it pulls the segment from ``R`` peers ("model replicas"), so it can rebuild ``R``
+mixed models ``W'_r = (W_{j_{1,r}}[1], ..., W_{j_{S,r}}[S])`` (eq. 2), and aggregates each
+segment over its providers ``P_l`` (the worker itself included), weighted by local dataset size
+(eq. 3)::
+
+    W~[l] = sum_{j in P_l} |D_j| W_j[l] / sum_{j in P_l} |D_j|
+
+Peers are drawn "from all the other workers without replacement until there is no option left"
+(section 4.1), so a worker's ``S * R`` pulls spread over as many links as possible: with
+``S * R <= m - 1`` they all come from different workers. ``S = 1`` is plain gossip; ``R = m - 1``
+gives every worker the dataset-size-weighted mean of all models, the all-reduce (FedAvg) result.
+
+Plain torch on flat model vectors: no Lightning, no process groups. The whole pull plan of a
+round is drawn from one ``torch.Generator``; every process holding the same generator state
+draws the same plan, so a provider knows whom to serve without any request message.
+:class:`lightning_dist.strategies.SegmentedGossipStrategy` moves the segments between processes;
+:func:`gossip_round` applies a round to models held in one process (the simulator, and the
+definition the distributed strategy is tested against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_dist.algorithms.averaging import weighted_average
+
+
+def _check_count(name: str, value: object, minimum: int, maximum: int | None = None, meaning: str = "") -> int:
+    # bool is an int subclass; True as a count is a bug, not a request for one.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {allowed}{meaning}; got {value!r}")
+    return value
+
+
+def segment_bounds(num_elements: int, segments: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each of ``segments`` contiguous segments covering ``range(num_elements)``.
+
+    Paper 002, eq. (1): the segments do not overlap and hold the same number of elements as far
+    as possible; the first ``num_elements % segments`` segments hold one element more. Every
+    segment is non-empty, so ``segments`` may not exceed ``num_elements``.
+    """
+    _check_count("num_elements", num_elements, 1)
+    _check_count("segments", segments, 1, num_elements, f" (segments of a model vector of {num_elements} elements)")
+    size, larger = divmod(num_elements, segments)
+    bounds, start = [], 0
+    for segment in range(segments):
+        stop = start + size + (1 if segment < larger else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def pull_plan(world_size: int, segments: int, replicas: int, generator: torch.Generator) -> Tensor:
+    """Whom every worker pulls every segment from in one round: ``plan[i, l, r]`` is a rank.
+
+    Paper 002, section 4.1: for each of its ``S * R`` pulls a worker takes the next peer of a
+    queue holding the other ranks in random order; an exhausted queue is refilled with a fresh
+    random order. So no peer repeats before all others were used, over a round every peer is
+    pulled from ``floor(S R / (m - 1))`` or ``ceil(S R / (m - 1))`` times, and with
+    ``S * R <= m - 1`` all pulls come from different ranks. The ``R`` providers of one segment
+    are always distinct: when a refill happens inside a segment, peers that already provide it
+    are skipped and stay at the head of the queue for the next segment.
+
+    Ranks are planned in order ``0 .. m - 1``, each drawing one ``torch.randperm`` per refill from
+    ``generator``; equal generator states give equal plans.
+
+    Returns:
+        int64 tensor of shape ``[world_size, segments, replicas]``; ``plan[i, l]`` never holds ``i``.
+    """
+    _check_count("world_size", world_size, 2, meaning=" (gossip needs a peer)")
+    _check_count("segments", segments, 1)
+    _check_count("replicas", replicas, 1, world_size - 1, f" (distinct peers per segment among {world_size - 1})")
+    plan = torch.empty(world_size, segments, replicas, dtype=torch.int64)
+    for rank in range(world_size):
+        others = [peer for peer in range(world_size) if peer != rank]
+        queue: list[int] = []
+        for segment in range(segments):
+            chosen: list[int] = []
+            while len(chosen) < replicas:
+                if not queue:
+                    queue = [others[k] for k in torch.randperm(len(others), generator=generator).tolist()]
+                # Non-empty: after a refill at most replicas - 1 queued peers already provide this segment.
+                position = next(k for k, peer in enumerate(queue) if peer not in chosen)
+                chosen.append(queue.pop(position))
+            plan[rank, segment] = torch.tensor(chosen)
+    return plan
+
+
+def transfers(plan: Tensor) -> dict[tuple[int, int], list[int]]:
+    """The segments each link carries in a round: ``{(provider, puller): [segment, ...]}``.
+
+    A provider serves a puller the segments whose providers in ``plan[puller]`` include it, in
+    ascending order. Each (provider, puller) pair appears at most once, so a round needs one
+    message per pair; pairs that carry nothing are absent.
+    """
+    links: dict[tuple[int, int], list[int]] = {}
+    for puller, providers_by_segment in enumerate(plan.tolist()):
+        for segment, providers in enumerate(providers_by_segment):
+            for provider in providers:
+                links.setdefault((provider, puller), []).append(segment)
+    return links
+
+
+def mixed_models(models: Tensor, providers: Tensor, bounds: Sequence[tuple[int, int]]) -> Tensor:
+    """The ``R`` mixed models of paper 002's eq. (2) one worker rebuilds from pulled segments.
+
+    Args:
+        models: ``[m, N]``, every worker's flat model (row ``j`` is ``W_j``).
+        providers: ``[S, R]``, the puller's row of :func:`pull_plan`.
+        bounds: :func:`segment_bounds` of ``N`` and ``S``.
+
+    Returns:
+        ``[R, N]``; segment ``l`` of row ``r`` is ``W_{providers[l, r]}[l]``.
+    """
+    _check_plan_row(providers, bounds)
+    mixed = models.new_empty(providers.shape[1], models.shape[1])
+    for segment, (start, stop) in enumerate(bounds):
+        for replica, provider in enumerate(providers[segment].tolist()):
+            mixed[replica, start:stop] = models[provider, start:stop]
+    return mixed
+
+
+def aggregate(
+    local: Tensor,
+    mixed: Tensor,
+    providers: Tensor,
+    bounds: Sequence[tuple[int, int]],
+    dataset_sizes: Tensor,
+    rank: int,
+) -> Tensor:
+    """Segment-wise aggregation, paper 002's eq. (3) and (4), for worker ``rank``.
+
+    Segment ``l`` of the result is ``sum_{j in P_l} |D_j| W_j[l] / sum_{j in P_l} |D_j|`` with
+    ``P_l = {rank} + providers[l]``, ``W_rank = local`` and ``W_{providers[l, r]}[l]`` taken from
+    ``mixed[r]``. Terms are summed in ascending rank order, so workers whose ``P_l`` are equal
+    compute bit-identical segments (with ``R = m - 1`` every worker ends with the same model).
+
+    Args:
+        local: ``[N]``, the worker's own model.
+        mixed: ``[R, N]``, the mixed models rebuilt from the pulled segments (:func:`mixed_models`).
+        providers: ``[S, R]``, the worker's row of :func:`pull_plan`: distinct ranks other than ``rank``.
+        bounds: :func:`segment_bounds` of ``N`` and ``S``.
+        dataset_sizes: ``[m]``, ``|D_j|`` of every worker (non-negative, positive over each ``P_l``).
+        rank: the aggregating worker.
+    """
+    _check_plan_row(providers, bounds)
+    if mixed.shape != (providers.shape[1], local.numel()):
+        raise ValueError(
+            f"mixed must hold one model of {local.numel()} elements per replica ({providers.shape[1]}); "
+            f"got shape {tuple(mixed.shape)}"
+        )
+    sizes = dataset_sizes.tolist()
+    result = torch.empty_like(local)
+    for segment, (start, stop) in enumerate(bounds):
+        members = [rank] + providers[segment].tolist()
+        if len(set(members)) != len(members):
+            raise ValueError(
+                f"providers of segment {segment} must be distinct ranks other than {rank}; got {members[1:]}"
+            )
+        rows = [local[start:stop]] + [mixed[replica, start:stop] for replica in range(len(members) - 1)]
+        order = sorted(range(len(members)), key=members.__getitem__)
+        result[start:stop] = weighted_average([rows[k] for k in order], [float(sizes[members[k]]) for k in order])
+    return result
+
+
+def gossip_round(models: Tensor, plan: Tensor, bounds: Sequence[tuple[int, int]], dataset_sizes: Tensor) -> Tensor:
+    """One segmented gossip round applied to all ``m`` models held in one process.
+
+    Every worker ``i`` rebuilds its mixed models from ``plan[i]`` and aggregates them with its own
+    model (:func:`mixed_models`, :func:`aggregate`), all from the models as they were before the
+    round. Returns the ``[m, N]`` models after the round.
+    """
+    if plan.shape[0] != models.shape[0]:
+        raise ValueError(f"plan must have one row per model ({models.shape[0]}); got {plan.shape[0]}")
+    return torch.stack(
+        [
+            aggregate(models[rank], mixed_models(models, plan[rank], bounds), plan[rank], bounds, dataset_sizes, rank)
+            for rank in range(models.shape[0])
+        ]
+    )
+
+
+def _check_plan_row(providers: Tensor, bounds: Sequence[tuple[int, int]]) -> None:
+    if providers.dim() != 2 or providers.shape[0] != len(bounds):
+        raise ValueError(
+            f"providers must be one row of pull_plan, shaped [segments, replicas] with {len(bounds)} segments; "
+            f"got shape {tuple(providers.shape)}"
+        )

@@ -1,0 +1,219 @@
+"""Segmented gossip (paper 002, the "Combo" prototype, 2019; DESIGN section 3.4)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_dist.algorithms.segmented_gossip import aggregate, pull_plan, segment_bounds, transfers
+from lightning_dist.strategies.local_update import LocalUpdateStrategy
+
+
+class SegmentedGossipStrategy(LocalUpdateStrategy):
+    """Every ``period`` steps, pull each model segment from a few random peers and aggregate.
+
+    Every ``period`` optimizer steps (``tau``) every rank splits its model vector (parameters and
+    floating-point buffers, the vector the other strategies average) into ``segments`` (``S``)
+    contiguous, nearly equal segments. For each segment it pulls ``replicas`` (``R``) copies from
+    distinct peers; peers are drawn without replacement from the other ranks until all were
+    used, then refilled, so with ``S * R <= m - 1`` every pull comes from a different rank and the
+    traffic spreads over ``S * R`` links. Each segment is then replaced by the average over its
+    providers and the rank itself, weighted by local dataset size (paper 002, eq. 3):
+    ``W[l] = sum_j |D_j| W_j[l] / sum_j |D_j|``. ``S = 1`` is plain gossip; ``R = m - 1`` gives
+    every rank the weighted all-reduce result.
+
+    The math is :mod:`lightning_dist.algorithms.segmented_gossip`; this class moves segments.
+    The round's whole pull plan is drawn from the strategy's seeded generator, identical on all
+    ranks, so each rank knows whom to serve: there are no request messages. A round is one batch
+    of point-to-point transfers, one message per (provider, puller) pair carrying all segments
+    that pair exchanges, preceded by a 1-byte finiteness flag per rank (all-gather) so that a
+    non-finite replica stops every rank before anything is aggregated.
+
+    ``|D_j|`` is the number of training examples rank ``j`` reads per epoch (the length of its
+    train loader's sampler), all-gathered once at the start of every ``fit`` (purpose ``setup``).
+    If a rank cannot tell (a loader without length), every rank weights equally. The model used
+    for validation, checkpoints and the end of ``fit`` is the same weighted mean over all ranks,
+    the global model of paper 002's analysis (FedAvg's aggregate). Optimizer state stays local.
+
+    Args:
+        segments: ``S >= 1``, segments the model vector is split into; at most its number of
+            elements. Paper 002's default 10.
+        replicas: ``R``, peers each segment is pulled from, in ``[1, m - 1]``. Paper 002's default 2.
+        period: ``tau >= 1``, optimizer steps between rounds. Paper 002's default 40.
+        seed: seeds the pull plans (the same on every rank).
+        **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
+    """
+
+    strategy_name = "segmented_gossip"
+
+    def __init__(self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0, **kwargs: Any) -> None:
+        for name, value, meaning in (
+            ("segments", segments, "segments the model vector is split into"),
+            ("replicas", replicas, "peers each segment is pulled from"),
+            ("period", period, "optimizer steps between gossip rounds"),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 ({meaning}); got {value!r}")
+        super().__init__(seed=seed, **kwargs)
+        self.segments = segments
+        self.replicas = replicas
+        self.period = period
+        self._bounds: list[tuple[int, int]] = []
+        self._dataset_sizes: Tensor | None = None
+        self._rounds = 0
+        self._links_min = 0
+        self._links_max = 0
+        self._segments_received = 0
+        self._pull_links = 0
+        self._links = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # refuses fewer than 2 processes
+        if self.replicas > self.world_size - 1:
+            raise ValueError(
+                f"replicas must be an integer in [1, {self.world_size - 1}] (distinct peers per segment among the "
+                f"other world_size - 1 ranks); got {self.replicas} with world_size={self.world_size}"
+            )
+
+    def on_replicas_initialized(self, vector: Tensor) -> None:
+        self._bounds = segment_bounds(vector.numel(), self.segments)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.exchange_dataset_sizes(_examples_per_epoch(self.lightning_module.trainer.train_dataloader))
+
+    def exchange_dataset_sizes(self, local_size: int) -> Tensor:
+        """All-gather every rank's ``|D_j|`` (a collective); 0 means unknown and makes all weights equal."""
+        local = torch.tensor([local_size], dtype=torch.int64, device=self.root_device)
+        sizes = self.comm.all_gather(local, purpose="setup").view(-1).cpu()
+        if not bool((sizes > 0).all()):
+            rank_zero_warn(
+                f"SegmentedGossipStrategy weights ranks by local dataset size, but rank(s) "
+                f"{(sizes <= 0).nonzero().view(-1).tolist()} report none (a train loader without length or "
+                "an empty one); every rank is weighted equally"
+            )
+            sizes = torch.ones_like(sizes)
+        self._dataset_sizes = sizes
+        return sizes
+
+    @property
+    def dataset_sizes(self) -> Tensor:
+        if self._dataset_sizes is None:
+            raise RuntimeError("SegmentedGossipStrategy knows no dataset sizes before training starts")
+        return self._dataset_sizes
+
+    # ------------------------------------------------------------------ the protocol
+
+    def after_local_step(self, step: int) -> None:
+        if step % self.period == 0:
+            self.gossip_round()
+
+    def gossip_round(self) -> None:
+        """One round on every rank: draw the plan, move the segments, aggregate (paper 002, section 4.1)."""
+        rank, world_size = self.comm.rank, self.comm.world_size
+        local = self.model_vector.get()
+        self.raise_if_non_finite(local)
+        plan = pull_plan(world_size, self.segments, self.replicas, self._generator)
+        links = transfers(plan)
+        sends = [
+            (torch.cat([local[slice(*self._bounds[segment])] for segment in segments]), puller)
+            for (provider, puller), segments in links.items()
+            if provider == rank
+        ]
+        pulls = {provider: segments for (provider, puller), segments in links.items() if puller == rank}
+        buffers = {
+            provider: local.new_empty(sum(self._bounds[s][1] - self._bounds[s][0] for s in segments))
+            for provider, segments in pulls.items()
+        }
+        self.comm.exchange(sends, [(buffer, provider) for provider, buffer in buffers.items()], purpose="protocol")
+
+        # Rebuild the R mixed models (eq. 2) from the received messages.
+        providers = plan[rank]
+        mixed = local.new_empty(self.replicas, local.numel())
+        for provider, segments in pulls.items():
+            chunks = buffers[provider].split([self._bounds[s][1] - self._bounds[s][0] for s in segments])
+            for segment, chunk in zip(segments, chunks):
+                replica = providers[segment].tolist().index(provider)
+                mixed[replica, slice(*self._bounds[segment])] = chunk
+        self.model_vector.set(aggregate(local, mixed, providers, self._bounds, self.dataset_sizes, rank))
+
+        self._rounds += 1
+        self._syncs += 1
+        # With R = m - 1 every segment is aggregated over all ranks in rank order: identical replicas.
+        self._replicas_in_sync = self.replicas == world_size - 1
+        self._segments_received = sum(len(segments) for segments in pulls.values())
+        self._pull_links = len(pulls)
+        peers: list[set[int]] = [set() for _ in range(world_size)]
+        for provider, puller in links:
+            peers[provider].add(puller)
+            peers[puller].add(provider)
+        self._links = len(peers[rank])
+        self._links_min = min(len(p) for p in peers)
+        self._links_max = max(len(p) for p in peers)
+
+    def consensus(self, purpose: str) -> Tensor:
+        """The dataset-size-weighted mean of all replicas, ``sum_j |D_j| W_j / sum_j |D_j|`` (an all-reduce)."""
+        if self._dataset_sizes is None:
+            return super().consensus(purpose)
+        local = self.model_vector.get()
+        weight = float(self._dataset_sizes[self.comm.rank]) / float(self._dataset_sizes.sum())
+        total = self.comm.all_reduce_sum_(local * weight, purpose)
+        if not bool(torch.isfinite(total).all()):
+            self.raise_if_non_finite(local)
+        return total
+
+    # ------------------------------------------------------------------ state and counters
+
+    def protocol_state_dict(self) -> dict[str, Any]:
+        return {"rounds": self._rounds, "links_min": self._links_min, "links_max": self._links_max}
+
+    def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._rounds = state["rounds"]
+        self._links_min = state["links_min"]
+        self._links_max = state["links_max"]
+
+    def worker_state_dict(self) -> dict[str, Any]:
+        return {"segments_received": self._segments_received, "pull_links": self._pull_links, "links": self._links}
+
+    def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._segments_received = state["segments_received"]
+        self._pull_links = state["pull_links"]
+        self._links = state["links"]
+
+    def protocol_metrics(self) -> dict[str, float]:
+        """Round count, and for the last round: segments this rank received (``S * R``), the
+        distinct peers it pulled from, the distinct peers it exchanged segments with in either
+        direction, and the fewest and most such peers of any rank (from the shared plan)."""
+        return {
+            "segmented_gossip/rounds": float(self._rounds),
+            "segmented_gossip/segments_received": float(self._segments_received),
+            "segmented_gossip/pull_links": float(self._pull_links),
+            "segmented_gossip/links": float(self._links),
+            "segmented_gossip/links_min": float(self._links_min),
+            "segmented_gossip/links_max": float(self._links_max),
+        }
+
+
+def _examples_per_epoch(loaders: Any) -> int:
+    """Training examples this rank reads per epoch (summed over train loaders); 0 if unknown."""
+    if isinstance(loaders, DataLoader):
+        loaders = [loaders]
+    elif isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    total = 0
+    for loader in loaders:
+        if not isinstance(loader, DataLoader):
+            return 0
+        sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+        try:
+            total += len(sampler)
+        except TypeError:
+            return 0
+    return total

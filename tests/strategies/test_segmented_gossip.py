@@ -1,0 +1,191 @@
+"""SegmentedGossipStrategy on real Gloo processes against paper 002's one-process definition.
+
+One 4-process launch runs several hand-set rounds (plain gossip, all peers, a general round,
+bad set-ups, a non-finite rank); 3-process Lightning fits check bytes over a whole run and a
+bit-exact resume. Bad constructor arguments are checked in this process.
+"""
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_dist
+from helpers.launch import load_results, run_ranks
+from lightning_dist import SegmentedGossipStrategy
+from lightning_dist.algorithms.segmented_gossip import gossip_round, pull_plan, segment_bounds, transfers
+
+FLOAT = 4  # bytes per float32 element
+DIM = 17  # weights; the model vector adds a 3-element float buffer
+N = DIM + 3
+WORLD = 4
+CASES = {
+    "gossip": {"segments": 1, "replicas": 2, "seed": 0, "dim": DIM, "sizes": [1, 2, 3, 4]},
+    "all_peers": {"segments": 3, "replicas": WORLD - 1, "seed": 1, "dim": DIM, "sizes": [5, 1, 2, 7]},
+    "segmented": {"segments": 5, "replicas": 2, "seed": 2, "dim": DIM, "sizes": [3, 3, 1, 2]},
+    "too_many_segments": {"segments": N + 1, "replicas": 1, "seed": 0, "dim": DIM, "sizes": [1, 1, 1, 1]},
+    "non_finite": {"segments": 2, "replicas": 1, "seed": 3, "dim": DIM, "sizes": [1, 1, 1, 1], "nan_rank": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory):
+    """Per case name, the 4 ranks' results of one round (one torchrun launch for all cases)."""
+    out = tmp_path_factory.mktemp("segmented_gossip_rounds")
+    run_ranks(WORLD, "segmented_gossip", {"cases": list(CASES.values())}, out)
+    per_rank = load_results(out, WORLD)
+    return {name: [per_rank[rank][index] for rank in range(WORLD)] for index, name in enumerate(CASES)}
+
+
+def _plan(case):
+    return pull_plan(WORLD, case["segments"], case["replicas"], torch.Generator().manual_seed(case["seed"]))
+
+
+def _expected_sent(case):
+    """Protocol bytes each rank sends in one round: the segments it serves plus its finiteness flag."""
+    bounds = segment_bounds(N, case["segments"])
+    sent = [WORLD - 1] * WORLD  # 1-byte flag to every other rank (all-gather)
+    for (provider, _), segments in transfers(_plan(case)).items():
+        sent[provider] += sum(bounds[s][1] - bounds[s][0] for s in segments) * FLOAT
+    return sent
+
+
+def _check_round(results, case):
+    for result in results:
+        assert result["error"] is None, result["error"]
+    models = results[0]["models"]
+    sizes = torch.tensor(case["sizes"])
+    expected = gossip_round(models, _plan(case), segment_bounds(N, case["segments"]), sizes)
+    for rank, result in enumerate(results):
+        assert torch.equal(result["vector"], expected[rank])
+        assert result["stats"].protocol_bytes == _expected_sent(case)[rank]
+        # Every rank received S * R segments; over all ranks that is R models.
+        assert result["metrics"]["segmented_gossip/segments_received"] == case["segments"] * case["replicas"]
+        assert result["metrics"]["segmented_gossip/rounds"] == 1
+    segment_bytes = sum(_expected_sent(case)) - WORLD * (WORLD - 1)
+    assert segment_bytes == WORLD * case["replicas"] * N * FLOAT
+
+
+def test_one_segment_is_plain_gossip(rounds):
+    """S = 1: each rank ends with the weighted average of itself and its R providers from the plan."""
+    case, results = CASES["gossip"], rounds["gossip"]
+    _check_round(results, case)
+    plan, sizes = _plan(case), torch.tensor(case["sizes"], dtype=torch.float32)
+    for rank, result in enumerate(results):
+        members = [rank] + plan[rank, 0].tolist()
+        expected = (result["models"][members] * sizes[members, None]).sum(0) / sizes[members].sum()
+        assert torch.allclose(result["vector"], expected, atol=1e-6)
+        assert result["metrics"]["segmented_gossip/pull_links"] == case["replicas"]
+        assert not result["in_sync"]
+
+
+def test_all_peers_is_the_weighted_all_reduce(rounds):
+    """R = m - 1: every rank holds the same weighted mean of all models, bit for bit."""
+    case, results = CASES["all_peers"], rounds["all_peers"]
+    _check_round(results, case)
+    sizes = torch.tensor(case["sizes"], dtype=torch.float32)
+    weighted_mean = (results[0]["models"] * sizes[:, None]).sum(0) / sizes.sum()
+    for result in results:
+        assert torch.equal(result["vector"], results[0]["vector"])
+        assert torch.allclose(result["vector"], weighted_mean, atol=1e-6)
+        assert result["in_sync"]
+        assert result["metrics"]["segmented_gossip/pull_links"] == WORLD - 1
+        assert result["metrics"]["segmented_gossip/links"] == WORLD - 1
+
+
+def test_segmented_round_bytes_and_links(rounds):
+    """S = 5, R = 2 on 4 ranks (buffer included): the one-process round, exact bytes, links from the plan."""
+    case, results = CASES["segmented"], rounds["segmented"]
+    _check_round(results, case)
+    links = transfers(_plan(case))
+    peers = [set() for _ in range(WORLD)]
+    for provider, puller in links:
+        peers[provider].add(puller)
+        peers[puller].add(provider)
+    for rank, result in enumerate(results):
+        metrics = result["metrics"]
+        assert metrics["segmented_gossip/pull_links"] == len({p for p, q in links if q == rank}) == WORLD - 1
+        assert metrics["segmented_gossip/links"] == len(peers[rank])
+        assert metrics["segmented_gossip/links_min"] == min(map(len, peers))
+        assert metrics["segmented_gossip/links_max"] == max(map(len, peers))
+        # Dataset-size all-gather, finiteness flag, then one message per puller served.
+        assert result["stats"].messages == 2 * (WORLD - 1) + sum(1 for p, _ in links if p == rank)
+
+
+def test_more_segments_than_model_elements_is_refused_at_setup(rounds):
+    for result in rounds["too_many_segments"]:
+        assert result["error"] == (
+            f"ValueError: segments must be an integer in [1, {N}] (segments of a model vector of {N} elements); "
+            f"got {N + 1}"
+        )
+
+
+def test_non_finite_rank_is_named_and_nothing_is_aggregated(rounds):
+    for rank, result in enumerate(rounds["non_finite"]):
+        assert result["error"] is not None and "NonFiniteModelError" in result["error"] and "rank(s) [2]" in result["error"]
+        assert result["stats"].protocol_bytes == WORLD - 1  # only the flag went out
+        if rank != 2:
+            assert torch.equal(result["vector"], result["models"][rank])
+
+
+def _fit(tmp_path, name, **spec):
+    out = tmp_path / name
+    strategy = {"class": "SegmentedGossipStrategy", "kwargs": {"segments": 3, "replicas": 1, "period": 4, "seed": 7}}
+    run_ranks(3, "fit", {"strategy": strategy, "data": {"partition": "class_sorted"}, **spec}, out)
+    results = load_results(out, 3)
+    for result in results:
+        assert result["error"] is None, result["error"]
+    return results
+
+
+def test_fit_counts_every_segment_and_resume_is_bit_exact(tmp_path):
+    """3 ranks, S = 3, R = 1, period 4, 3 epochs of 15 steps: exact protocol bytes over the run; stopped
+    after epoch 1 (step 15, not a multiple of the period) and resumed, it ends bit for bit equal."""
+    full = _fit(tmp_path, "full", trainer={"max_epochs": 3}, checkpoint_dir=str(tmp_path / "ckpt"))
+    steps = full[0]["local_steps"]
+    rounds = steps // 4
+    model_bytes = full[0]["vector"].numel() * FLOAT
+    assert steps == 45 and rounds == 11
+    # Per round: every rank receives S * R segments (R = 1 model) and sends a 1-byte flag to 2 ranks.
+    assert full[0]["comm"].protocol_bytes == rounds * (3 * 1 * model_bytes + 3 * 2)
+    assert full[0]["comm"].syncs == rounds
+    for result in full:
+        assert result["metrics"]["segmented_gossip/segments_received"] == 3
+        assert result["metrics"]["segmented_gossip/rounds"] == rounds
+        assert torch.equal(result["vector"], full[0]["vector"])  # every rank ends with the (weighted) average
+    (checkpoint,) = sorted((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
+    assert torch.load(checkpoint, weights_only=False)["global_step"] % 4 != 0
+    resumed = _fit(tmp_path, "resumed", trainer={"max_epochs": 3}, ckpt_path=str(checkpoint))
+    for a, b in zip(full, resumed):
+        assert torch.equal(a["vector"], b["vector"])
+        assert a["local_steps"] == b["local_steps"]
+        assert a["comm"].protocol_bytes == b["comm"].protocol_bytes and a["comm"].syncs == b["comm"].syncs
+        assert a["protocol"] == b["protocol"] and a["metrics"] == b["metrics"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"segments": 0}, r"segments must be an integer >= 1 \(segments the model vector is split into\); got 0"),
+        ({"segments": 2.5}, r"segments must be an integer >= 1"),
+        ({"replicas": 0}, r"replicas must be an integer >= 1 \(peers each segment is pulled from\); got 0"),
+        ({"replicas": True}, r"replicas must be an integer >= 1"),
+        ({"period": -1}, r"period must be an integer >= 1 \(optimizer steps between gossip rounds\); got -1"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SegmentedGossipStrategy(**kwargs)
+
+
+def test_replicas_must_leave_a_peer_and_one_process_is_refused_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"replicas must be an integer in \[1, 2\] .* got 3 with world_size=3"):
+        L.Trainer(strategy=SegmentedGossipStrategy(replicas=3), accelerator="cpu", devices=3, logger=False)
+    with pytest.raises(ValueError, match=r"needs at least 2 \(devices \* num_nodes >= 2\)"):
+        L.Trainer(strategy=SegmentedGossipStrategy(replicas=1), accelerator="cpu", devices=1, logger=False)
+
+
+def test_name_resolves_with_paper_defaults():
+    lightning_dist.register_strategies()
+    strategy = L.Trainer(strategy="segmented_gossip", accelerator="cpu", devices=4, logger=False).strategy
+    assert isinstance(strategy, SegmentedGossipStrategy)
+    assert (strategy.segments, strategy.replicas, strategy.period) == (10, 2, 40)

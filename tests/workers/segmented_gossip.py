@@ -1,0 +1,64 @@
+"""Worker: segmented gossip rounds across real processes on hand-set models.
+
+For each case of ``spec["cases"]`` (keys ``segments``, ``replicas``, ``seed``, ``dim``, ``sizes``:
+``|D_j|`` per rank, optional ``nan_rank``) every rank builds a fresh strategy on a module with
+``dim`` weights and a 3-element float buffer, sets its replica to row ``rank`` of seeded random
+models, shares its dataset size and runs one round exactly as after an optimizer step in
+training. Per-case results go to rank{r}.pt as a list, for comparison with the one-process
+definition. Usage: see tests/helpers/launch.py.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_dist.comm import Communicator
+from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies import SegmentedGossipStrategy
+
+BUFFER_SIZE = 3
+
+
+def run_case(case: dict, rank: int, world_size: int) -> dict:
+    strategy = SegmentedGossipStrategy(segments=case["segments"], replicas=case["replicas"], period=1, seed=case["seed"])
+    module = nn.Linear(case["dim"], 1, bias=False)
+    module.register_buffer("statistic", torch.zeros(BUFFER_SIZE))
+    strategy._comm = Communicator(dist.new_group(backend="gloo"))
+    strategy._vector = ModelVector(module)
+    strategy.parallel_devices = [torch.device("cpu")]
+    models = torch.randn(world_size, case["dim"] + BUFFER_SIZE, generator=torch.Generator().manual_seed(100 + case["seed"]))
+    error = None
+    try:
+        strategy.on_replicas_initialized(strategy.model_vector.get())
+        strategy.exchange_dataset_sizes(case["sizes"][rank])
+        strategy.model_vector.set(models[rank])
+        if case.get("nan_rank") == rank:
+            strategy.model_vector.set(torch.full_like(models[rank], float("nan")))
+        strategy.after_local_step(1)
+    except Exception as exc:  # reported to the test, which asserts on it
+        error = f"{type(exc).__name__}: {exc}"
+    return {
+        "error": error,
+        "models": models,
+        "vector": strategy.model_vector.get(),
+        "stats": strategy.comm.stats,
+        "metrics": strategy.protocol_metrics(),
+        "in_sync": strategy._replicas_in_sync,
+    }
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = [run_case(case, rank, world_size) for case in spec["cases"]]
+    torch.save(results, Path(spec["out"]) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
