@@ -7,8 +7,9 @@ when present), ``snapshot_every_s``, ``out``.
 
 Every rank times each training batch (see ``StepClock``) and tells local batches from the
 foreign batches DataGossip inserts, so the callback's cost per local step can be told apart from
-the cost of training on more batches; the time spent inside DataGossip's training hooks (loss
-bookkeeping per batch, selection and encoding per epoch, adopting received records) is summed
+the cost of training on more batches; the time spent inside each of DataGossip's training hooks
+(loss bookkeeping per batch, selection and encoding per epoch, adopting received records, and the
+end-of-training agreement in ``on_train_end``, which mostly waits for the slowest rank) is summed
 per rank as well.
 
 No validation and no checkpoints during fit: those are epoch-end meeting points of all ranks and
@@ -83,18 +84,18 @@ GOSSIP_HOOKS = ("on_train_epoch_start", "on_train_batch_start", "on_train_batch_
                 "on_train_end")
 
 
-def time_hooks(gossip: DataGossip) -> list[float]:
-    """Wrap DataGossip's training hooks on this instance; the returned one-element list sums their seconds."""
-    spent = [0.0]
+def time_hooks(gossip: DataGossip) -> dict[str, float]:
+    """Wrap DataGossip's training hooks on this instance; the returned dict sums each hook's seconds."""
+    spent = dict.fromkeys(GOSSIP_HOOKS, 0.0)
     for name in GOSSIP_HOOKS:
         original = getattr(gossip, name)
 
-        def timed(*args, _original=original, **kwargs):
+        def timed(*args, _original=original, _name=name, **kwargs):
             start = time.perf_counter()
             try:
                 return _original(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - start
+                spent[_name] += time.perf_counter() - start
 
         setattr(gossip, name, timed)  # Lightning looks hooks up on the instance
     return spent
@@ -130,7 +131,7 @@ def main() -> None:
     datamodule = DigitsDataModule(seed=seed, **spec.get("data", {}))
     model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, **spec.get("model", {}))
     gossip = DataGossip(seed=seed, **spec["gossip"]) if spec.get("gossip") else None
-    hook_seconds = time_hooks(gossip) if gossip is not None else [0.0]
+    hook_seconds = time_hooks(gossip) if gossip is not None else {}
     clock = StepClock(gossip)
     callbacks: list[Callback] = [clock] if gossip is None else [gossip, clock]
     if spec.get("slow"):
@@ -150,7 +151,7 @@ def main() -> None:
     durations: list[Any] = [None] * trainer.world_size
     gossip_metrics = gossip.metrics() if gossip is not None else None
     dist.all_gather_object(durations, {"local": clock.local_durations, "foreign": clock.foreign_durations,
-                                       "gossip": gossip_metrics, "hook_s": hook_seconds[0]})
+                                       "gossip": gossip_metrics, "hook_s": hook_seconds})
     if snapshots is not None:
         snapshots.stop()
         final = strategy.model_vector.get()
