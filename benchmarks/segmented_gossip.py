@@ -11,7 +11,10 @@ on ``--sync-ranks`` (11) ranks: each rank pulls ``S * R`` segments; with 11 rank
 ``min(S R, 10)`` different peers, each over its own 2 Mbit/s link, and 10 links are exactly the
 20 Mbit/s node cap. So the caps predict ``M / (S * link)`` for ``S <= 5`` (doubling ``S`` halves the
 time) and the node cap ``R M / node`` from ``S = 5`` on, the crossover of paper 002's Fig. 4(b).
-Rank 0 computes each round's bound from its actual pull plan (busiest link, busiest node).
+Rank 0 computes each round's bound from its actual pull plan (busiest link, busiest node), and a
+second bound for Gloo, which moves the two directions of a pair of ranks one after the other
+(measured: 1.2 MB each way between two ranks takes twice the one-way time; two plain TCP
+streams on one connection do not), so a pair that exchanges segments both ways takes the sum.
 
 Part 2, time to a target accuracy of the averaged model, on ``--ranks`` (8) ranks, all with the
 same task, seed and wall-clock budget: Lightning's DDP (gradient all-reduce every step),
