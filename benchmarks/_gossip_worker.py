@@ -74,9 +74,9 @@ def round_bound(plan: torch.Tensor, bounds: list[tuple[int, int]], element_size:
     receives at most ``node`` in total. The round takes at least the larger of the two bounds
     (``bound_s``). ``pair_bound_s`` is the busiest pair of ranks when a pair's two directions move
     one after the other, which is what Gloo does here: ``batch_isend_irecv`` of 1.2 MB each way
-    between two ranks took 10.0 s under a 2 Mbit/s link cap, twice the one-way time, while two
-    plain TCP streams on one connection took 5.1-5.4 s. ``gloo_bound_s`` is the larger of that
-    and the node bound.
+    between two ranks took 10.0 s under a 2 Mbit/s link cap, twice the one-way time, while plain
+    TCP both ways over one connection took 5.1-6.7 s. ``gloo_bound_s`` is the larger of that and
+    the node bound.
     """
     segment_bytes = [(stop - start) * element_size for start, stop in bounds]
     link_bytes = {pair: sum(segment_bytes[s] for s in segments) for pair, segments in transfers(plan).items()}
@@ -97,7 +97,8 @@ def round_bound(plan: torch.Tensor, bounds: list[tuple[int, int]], element_size:
     return {"link_bound_s": link_s, "node_bound_s": node_s, "bound_s": max(link_s, node_s),
             "pair_bound_s": pair_s, "gloo_bound_s": max(pair_s, node_s),
             "busiest_link_bytes": busiest_link, "busiest_pair_bytes": busiest_pair, "busiest_node_bytes": busiest_node,
-            "links_used": len(link_bytes), "two_way_pairs": sum(1 for (i, j) in link_bytes if i < j and (j, i) in link_bytes)}
+            "links_used": len(link_bytes),
+            "two_way_pairs": sum(1 for (i, j) in link_bytes if i < j and (j, i) in link_bytes)}
 
 
 class SkipFinalAverage(Callback):
@@ -114,7 +115,8 @@ def gossip_bound(strategy: lightning_dist.SegmentedGossipStrategy, caps: dict[st
     generator.set_state(strategy._generator.get_state())  # noqa: SLF001 (a copy: the strategy's state is untouched)
     plan = pull_plan(strategy.comm.world_size, strategy.segments, strategy.replicas, generator)
     element_size = strategy.model_vector.get().element_size()
-    return round_bound(plan, strategy._bounds, element_size, caps.get("node_mbit"), caps.get("link_mbit"))  # noqa: SLF001
+    bounds = strategy._bounds  # noqa: SLF001
+    return round_bound(plan, bounds, element_size, caps.get("node_mbit"), caps.get("link_mbit"))
 
 
 def trainer_kwargs(strategy: Any, callbacks: list[Callback], **extra: Any) -> dict[str, Any]:

@@ -29,9 +29,9 @@ wall-clock time), and ``runs/segmented_gossip_*`` (specs, per-node logs, raw res
 
 Usage::
 
-    python benchmarks/segmented_gossip.py                  # both parts, about 13 min on 2 cores
-    python benchmarks/segmented_gossip.py --quick          # smoke run (5 and 4 ranks, short budget), about 3 min
-    python benchmarks/segmented_gossip.py --sync-only      # part 1 only (about 3 min)
+    python benchmarks/segmented_gossip.py                  # both parts, about 13.5 min on 2 cores
+    python benchmarks/segmented_gossip.py --quick          # smoke run (5 and 4 ranks, short budget), about 3.5 min
+    python benchmarks/segmented_gossip.py --sync-only      # part 1 only (about 3.5 min)
     python benchmarks/segmented_gossip.py --accuracy-only  # part 2 only (about 10 min)
     python benchmarks/segmented_gossip.py --replot         # redraw the figure and tables from the JSON
 
@@ -96,7 +96,8 @@ def methods(args: argparse.Namespace) -> list[dict[str, Any]]:
          "strategy": {"class": "PeriodicAveragingStrategy",
                       "kwargs": {"period": args.period, "client_fraction": FEDAVG_FRACTION}}},
         {"name": "gossip", "kind": "gossip", "label": f"gossip S=1 R={args.replicas}", "strategy": gossip(1)},
-        {"name": "segmented", "kind": "segmented", "label": f"segmented gossip S={args.gossip_segments} R={args.replicas}",
+        {"name": "segmented", "kind": "segmented",
+         "label": f"segmented gossip S={args.gossip_segments} R={args.replicas}",
          "strategy": gossip(args.gossip_segments)},
     ]
     for run in runs:
@@ -208,7 +209,8 @@ def sync_table(part: dict[str, Any]) -> str:
     first = part["summary"][0]
     lines.append(f"{part['ranks']} ranks, model {first['model_bytes'] / 1e6:.3f} MB. links: (provider, puller) pairs "
                  "used in a round; 2-way: pairs of ranks with segments going both ways; per-link / per-node: busiest "
-                 "link / node at the capped rates; expected = the larger; Gloo pair: busiest pair of ranks with its two "
+                 "link / node at the capped rates; expected = the larger; Gloo pair: busiest pair of ranks with its "
+                 "two "
                  "directions one after the other (Gloo), or the node bound if larger; measured: median over rounds, "
                  "from the barrier before a round to the last rank's end")
     return "\n".join(lines)
@@ -270,7 +272,8 @@ def summarize_accuracy(runs: list[dict[str, Any]], config: dict[str, Any]) -> di
             "label": run["label"], "steps": run["steps"], "fit_s": run["fit_s"],
             "syncs": run["steps"] if run["kind"] == "ddp" else len(run["round_steps"]),
             "mean_step_s": run["mean_step_s"],
-            "mean_round_s": statistics.mean(rounds) if rounds else (run["mean_step_s"] if run["kind"] == "ddp" else None),
+            "mean_round_s": (statistics.mean(rounds) if rounds
+                             else run["mean_step_s"] if run["kind"] == "ddp" else None),
             "expected_round_s": expected_round_s(run, config),
             "gloo_expected_round_s": expected_round_s(run, config, "gloo_bound_s"),
             "final_val_acc": run["final_val_acc"], "best_val_acc": max(p["val_acc"] for p in run["curve"]),
@@ -317,8 +320,10 @@ def accuracy_table(part: dict[str, Any]) -> str:
             f"{row['label']:<38} {row['steps']:>6} {row['syncs']:>5} {fmt(row['mean_round_s'], '.2f'):>7} "
             f"{fmt(row['expected_round_s'], '.2f'):>8} {fmt(row['gloo_expected_round_s'], '.2f'):>9} "
             f"{fmt(row.get('compute_step_s', row['mean_step_s']), '.3f'):>7} "
-            f"{row['final_val_acc']:>6.3f} {row['best_val_acc']:>6.3f} {reach} {fmt(ratio, '.2f') + ('x' if ratio else ''):>13}")
-    lines.append("sync s = mean over rounds of the slowest rank's time in the round (DDP: mean step); expected: the caps' bound "
+            f"{row['final_val_acc']:>6.3f} {row['best_val_acc']:>6.3f} {reach} "
+            f"{fmt(ratio, '.2f') + ('x' if ratio else ''):>13}")
+    lines.append("sync s = mean over rounds of the slowest rank's time in the round (DDP: mean step); "
+                 "expected: the caps' bound "
                  "(median over rounds); Gloo pair: the same with each pair's two directions one after the other; "
                  "step s = local compute per "
                  "step (DDP: whole step); t->A = wall-clock seconds of training until the averaged model first "
@@ -349,8 +354,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         measured = [row["measured_s"] for row in rows]
         errors = [[m - row["measured_min_s"] for m, row in zip(measured, rows)],
                   [row["measured_max_s"] - m for m, row in zip(measured, rows)]]
-        left.errorbar(s, measured, yerr=errors, marker="o", color="tab:red", capsize=3, label="measured (median, min-max)")
-        left.plot(s, [row["expected_s"] for row in rows], color="black", marker="x", label="expected: max of both bounds")
+        left.errorbar(s, measured, yerr=errors, marker="o", color="tab:red", capsize=3,
+                      label="measured (median, min-max)")
+        left.plot(s, [row["expected_s"] for row in rows], color="black", marker="x",
+                  label="expected: max of both bounds")
         left.plot(s, [row["gloo_expected_s"] for row in rows], color="tab:purple", marker="+", linestyle=":",
                   label="expected with Gloo's one-way-at-a-time pairs")
         left.plot(s, [row["link_bound_s"] for row in rows], color="tab:blue", linestyle="--", label="per-link bound")
@@ -374,19 +381,20 @@ def plot(report: dict[str, Any], path: Path) -> None:
         for run in accuracy["runs"]:
             xs = [p["seconds"] for p in run["curve"]]
             ys = [p["val_acc"] for p in run["curve"]]
-            right.plot(xs, ys, color=colors.get(run["name"]), linewidth=1.3, label=run["label"])
+            right.plot(xs, ys, color=colors.get(run["name"]), linewidth=1.3,
+                       label=f"{run['label']}: {run['steps']} steps, final {run['final_val_acc']:.3f}")
             hit = first_reach(run["curve"], target)
             if hit:
                 right.plot(hit["seconds"], hit["val_acc"], marker="o", color=colors.get(run["name"]),
                            markeredgecolor="black")
         right.axhline(target, color="black", linestyle=":", linewidth=1)
-        right.set_ylim(0.4, 1.0)
+        right.set_ylim(0.3, 1.0)
         right.set_xlabel("wall-clock seconds of training")
         right.set_ylabel("validation accuracy of the averaged model")
         right.set_title(f"digits, {accuracy['ranks']} ranks, tau={report['config']['period']}: "
                         f"accuracy vs time (dot: first >= {target:g})", fontsize=10)
         right.grid(True, alpha=0.3)
-        right.legend(fontsize=8, loc="lower right")
+        right.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -434,15 +442,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-mbit", type=float, default=NODE_MBIT)
     parser.add_argument("--link-mbit", type=float, default=LINK_MBIT)
     parser.add_argument("--sync-ranks", type=int, default=None, help=f"ranks of part 1 (default {SYNC_RANKS})")
-    parser.add_argument("--segments", type=int, nargs="+", default=None, help=f"S values of part 1 (default {SEGMENTS})")
+    parser.add_argument("--segments", type=int, nargs="+", default=None,
+                        help=f"S values of part 1 (default {SEGMENTS})")
     parser.add_argument("--sync-rounds", type=int, default=None, help=f"rounds per S (default {SYNC_ROUNDS})")
     parser.add_argument("--replicas", type=int, default=REPLICAS, help=f"R of every gossip run (default {REPLICAS})")
     parser.add_argument("--ranks", type=int, default=None, help=f"ranks of part 2 (default {RANKS})")
     parser.add_argument("--methods", nargs="+", default=["ddp", "periodic", "fedavg", "gossip", "segmented"])
     parser.add_argument("--gossip-segments", type=int, default=10, help="S of the segmented gossip run of part 2")
     parser.add_argument("--period", type=int, default=PERIOD, help="tau of the averaging and gossip runs")
-    parser.add_argument("--budget", type=float, default=None, help=f"seconds of training per method (default {BUDGET_S:g})")
-    parser.add_argument("--hidden", type=int, default=None, help=f"MLP hidden size (default {TASK['model']['hidden_size']})")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"seconds of training per method (default {BUDGET_S:g})")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help=f"MLP hidden size (default {TASK['model']['hidden_size']})")
     parser.add_argument("--lr", type=float, default=TASK["model"]["learning_rate"])
     parser.add_argument("--targets", type=float, nargs="+", default=TARGETS)
     parser.add_argument("--target", type=float, default=TARGET, help="headline target accuracy")
