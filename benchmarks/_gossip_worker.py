@@ -16,8 +16,8 @@ JSON file rank 0 writes). ``mode`` is one of:
 a ``SegmentedGossipStrategy`` with period 1 trains ``rounds`` steps, so every step ends with a
 round. Before each round all ranks meet at a barrier (so a round's time is its transfers, not
 waiting for a rank that is still computing); each rank times ``gossip_round`` from the barrier's
-end to its own end. Rank 0 also draws the round's pull plan from a copy of the strategy's shared
-generator and turns it into the time the caps allow (``round_bound``).
+end to its own end. Rank 0 also previews the round's pull plan (``strategy.next_plan()``) and turns it
+into the time the caps allow (``round_bound``).
 
 ``"accuracy"`` (part 2, time to accuracy): each run is ``{"name", "kind", "strategy", "budget_s",
 "snapshot_every"}`` with ``kind`` ``"ddp"`` (Lightning's DDP: gradient all-reduce every step) or
@@ -33,9 +33,8 @@ mean is the plain mean). A snapshot's time is the latest rank's time at that ste
 the earliest rank's start of training. The local-update strategies' ``after_local_step`` is
 timed on every rank at round steps (no barrier: waiting for slower ranks counts).
 
-Both modes skip the strategies' end-of-fit average (an all-reduce of the whole model over the
-capped network, several seconds, whose result nobody uses here) by marking the replicas in sync
-from an ``on_train_end`` callback, which runs before the strategy's.
+The strategies' end-of-fit average (an all-reduce of the whole model over the capped network)
+runs after the last timed step and snapshot, so it is in no measured time.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import lightning_dist
-from lightning_dist.algorithms.segmented_gossip import pull_plan, transfers
+from lightning_dist.algorithms.segmented_gossip import transfers
 from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
 
@@ -101,22 +100,10 @@ def round_bound(plan: torch.Tensor, bounds: list[tuple[int, int]], element_size:
             "two_way_pairs": sum(1 for (i, j) in link_bytes if i < j and (j, i) in link_bytes)}
 
 
-class SkipFinalAverage(Callback):
-    """Mark the replicas in sync so the strategy's ``on_train_end`` does not average them over the network."""
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if isinstance(trainer.strategy, lightning_dist.LocalUpdateStrategy):
-            trainer.strategy._replicas_in_sync = True  # noqa: SLF001 (benchmark-only shortcut, see module doc)
-
-
 def gossip_bound(strategy: lightning_dist.SegmentedGossipStrategy, caps: dict[str, Any]) -> dict[str, float]:
     """The bound of the round the strategy is about to run (its plan drawn from a copy of its generator)."""
-    generator = torch.Generator()
-    generator.set_state(strategy._generator.get_state())  # noqa: SLF001 (a copy: the strategy's state is untouched)
-    plan = pull_plan(strategy.comm.world_size, strategy.segments, strategy.replicas, generator)
     element_size = strategy.model_vector.get().element_size()
-    bounds = strategy._bounds  # noqa: SLF001
-    return round_bound(plan, bounds, element_size, caps.get("node_mbit"), caps.get("link_mbit"))
+    return round_bound(strategy.next_plan(), strategy.segment_bounds, element_size, caps.get("node_mbit"), caps.get("link_mbit"))
 
 
 def trainer_kwargs(strategy: Any, callbacks: list[Callback], **extra: Any) -> dict[str, Any]:
@@ -124,7 +111,7 @@ def trainer_kwargs(strategy: Any, callbacks: list[Callback], **extra: Any) -> di
     return dict(accelerator="cpu", devices=local, num_nodes=int(os.environ["WORLD_SIZE"]) // local,
                 strategy=strategy, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                deterministic=True, callbacks=[*callbacks, SkipFinalAverage()], **extra)
+                deterministic=True, callbacks=callbacks, **extra)
 
 
 def build(spec: dict[str, Any]) -> tuple[DigitsDataModule, MLPClassifier]:

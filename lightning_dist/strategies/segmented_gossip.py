@@ -104,6 +104,23 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         return sizes
 
     @property
+    def segment_bounds(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of every segment in the model vector (known once the replicas are set up)."""
+        if not self._bounds:
+            raise RuntimeError("SegmentedGossipStrategy knows no segment bounds before the model is set up")
+        return list(self._bounds)
+
+    def next_plan(self) -> Tensor:
+        """The pull plan of the next round, ``(m, S, R)`` providers, drawn from a copy of the plan RNG.
+
+        The strategy's own generator is untouched, so the round itself draws this same plan; useful
+        to predict a round's traffic (the benchmarks compare it with the network caps).
+        """
+        generator = torch.Generator()
+        generator.set_state(self._generator.get_state())
+        return pull_plan(self.comm.world_size, self.segments, self.replicas, generator)
+
+    @property
     def dataset_sizes(self) -> Tensor:
         if self._dataset_sizes is None:
             raise RuntimeError("SegmentedGossipStrategy knows no dataset sizes before training starts")

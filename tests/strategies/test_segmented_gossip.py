@@ -56,6 +56,9 @@ def _check_round(results, case):
     sizes = torch.tensor(case["sizes"])
     expected = gossip_round(models, _plan(case), segment_bounds(N, case["segments"]), sizes)
     for rank, result in enumerate(results):
+        # The preview drawn before the round is the plan the round then used.
+        assert torch.equal(result["next_plan"], _plan(case))
+        assert result["bounds"] == segment_bounds(N, case["segments"])
         assert torch.equal(result["vector"], expected[rank])
         assert result["stats"].protocol_bytes == _expected_sent(case)[rank]
         # Every rank received S * R segments; over all ranks that is R models.

@@ -3,7 +3,7 @@
 For each case of ``spec["cases"]`` (keys ``segments``, ``replicas``, ``seed``, ``dim``, ``sizes``:
 ``|D_j|`` per rank, optional ``nan_rank``) every rank builds a fresh strategy on a module with
 ``dim`` weights and a 3-element float buffer, sets its replica to row ``rank`` of seeded random
-models, shares its dataset size and runs one round exactly as after an optimizer step in
+models, shares its dataset size, previews the plan and runs one round exactly as after an optimizer step in
 training. Per-case results go to rank{r}.pt as a list, for comparison with the one-process
 definition. Usage: see tests/helpers/launch.py.
 """
@@ -32,8 +32,11 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     strategy.parallel_devices = [torch.device("cpu")]
     models = torch.randn(world_size, case["dim"] + BUFFER_SIZE, generator=torch.Generator().manual_seed(100 + case["seed"]))
     error = None
+    next_plan = bounds = None
     try:
         strategy.on_replicas_initialized(strategy.model_vector.get())
+        bounds = strategy.segment_bounds
+        next_plan = strategy.next_plan()
         strategy.exchange_dataset_sizes(case["sizes"][rank])
         strategy.model_vector.set(models[rank])
         if case.get("nan_rank") == rank:
@@ -48,6 +51,8 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
         "stats": strategy.comm.stats,
         "metrics": strategy.protocol_metrics(),
         "in_sync": strategy._replicas_in_sync,
+        "bounds": bounds,
+        "next_plan": next_plan,
     }
 
 
