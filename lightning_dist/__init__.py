@@ -4,8 +4,9 @@ Importing the package registers the strategy names ``"dynamic_avg"``, ``"periodi
 ``"fedavg"``, ``"downpour_sgd"`` and ``"segmented_gossip"`` with Lightning's ``StrategyRegistry``.
 """
 
-from lightning_dist.callbacks import DataGossip
+from lightning_dist.callbacks import CDGraB, DataGossip
 from lightning_dist.comm import CommStats
+from lightning_dist.data import CDGraBSampler
 from lightning_dist.registry import register_strategies
 from lightning_dist.strategies import (
     DownpourSGDStrategy,
@@ -19,6 +20,8 @@ from lightning_dist.strategies import (
 register_strategies()
 
 __all__ = [
+    "CDGraB",
+    "CDGraBSampler",
     "CommStats",
     "DataGossip",
     "DownpourSGDStrategy",

@@ -57,11 +57,16 @@ class MLPClassifier(L.LightningModule):
         ``per_example_loss`` (detached) is what :class:`lightning_dist.callbacks.DataGossip` records
         to select records; Lightning optimizes ``loss`` and ignores the other key.
         """
-        x, y = batch
-        per_example = nn.functional.cross_entropy(self(x), y, reduction="none")
+        per_example = self.per_example_loss(batch)
         loss = per_example.mean()
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return {"loss": loss, "per_example_loss": per_example.detach()}
+
+    def per_example_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """Each example's cross-entropy, shape ``(batch_size,)``: what :class:`~lightning_dist.callbacks.CDGraB`
+        differentiates per example (and what ``training_step`` averages)."""
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y, reduction="none")
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_acc)

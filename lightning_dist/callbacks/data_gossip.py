@@ -32,6 +32,7 @@ from lightning_dist.algorithms.selection import (
     select_records,
     spl_threshold,
 )
+from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._records import RecordCodec
 from lightning_dist.callbacks._weaving import FOREIGN, WovenLoader, check_train_loader
 
@@ -229,7 +230,7 @@ class DataGossip(Callback):
         self._woven: Optional[WovenLoader] = None
         self._tag: Any = _UNTAGGED
         self._unrecorded: list[tuple[Tensor, Tensor]] = []
-        self._patched: Optional[tuple[Any, Any, Callable[[object], object]]] = None
+        self._loader_hook: Optional[TrainLoaderHook] = None
         self._drained = False
         self._abandoned = False
         self.last_exchange_id: Optional[int] = None
@@ -297,31 +298,12 @@ class DataGossip(Callback):
         if self._seeded_rank != self._rank:
             self._generator.manual_seed(_rank_seed(self.seed, self._rank))
             self._seeded_rank = self._rank
-        self._patch_strategy(trainer)
-
-    def _patch_strategy(self, trainer: pl.Trainer) -> None:
-        strategy = trainer.strategy
-        previous = strategy.__dict__.get("process_dataloader")
-        inner = strategy.process_dataloader
-
-        def process_dataloader(dataloader: object) -> object:
-            dataloader = inner(dataloader)
-            # Only the train loader of fit; validation loaders pass through untouched.
-            return self._weave(trainer, dataloader) if trainer.training else dataloader
-
-        strategy.process_dataloader = process_dataloader
-        self._patched = (strategy, previous, process_dataloader)
+        self._loader_hook = TrainLoaderHook(trainer, lambda loader: self._weave(trainer, loader))
 
     def _restore_strategy(self) -> None:
-        if self._patched is None:
-            return
-        strategy, previous, ours = self._patched
-        self._patched = None
-        if strategy.__dict__.get("process_dataloader") is ours:
-            if previous is None:
-                del strategy.process_dataloader
-            else:
-                strategy.process_dataloader = previous
+        if self._loader_hook is not None:
+            self._loader_hook.remove()
+            self._loader_hook = None
 
     def _weave(self, trainer: pl.Trainer, loader: object) -> WovenLoader:
         """Wrap Lightning's prepared train loader; runs on every rank inside ``FitLoop.setup_data``."""

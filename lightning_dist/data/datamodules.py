@@ -2,7 +2,8 @@
 
 They are sized for running many distributed-training experiments on CPUs. Training batches come from
 a :class:`~lightning_dist.data.sampler.PartitionSampler`, so the partition scheme (iid, class-sorted,
-Dirichlet) is a datamodule argument; validation and test loaders are plain sequential loaders that
+Dirichlet) is a datamodule argument; with ``example_order`` ("balanced" for the CDGraB callback,
+"random" for D-RR) they come from a :class:`~lightning_dist.data.CDGraBSampler` instead; validation and test loaders are plain sequential loaders that
 Lightning shards itself. ``set_label_permutation`` relabels all splits in place, for concept-drift
 experiments that change the task mid-training.
 """
@@ -25,9 +26,10 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_dist.data._checks import check_int, check_positive_float
+from lightning_dist.data.cdgrab_sampler import ORDERS, CDGraBSampler
 from lightning_dist.data.partition import PARTITIONS
 from lightning_dist.data.sampler import PartitionSampler
 
@@ -74,8 +76,18 @@ class ArrayDataModule(L.LightningDataModule, ABC):
         dirichlet_alpha: float = 0.5,
         seed: int = 0,
         val_fraction: float = 0.2,
+        example_order: Optional[str] = None,
     ) -> None:
         super().__init__()
+        if example_order is not None:
+            if example_order not in ORDERS:
+                raise ValueError(f"example_order must be None or one of {ORDERS}; got {example_order!r}")
+            if partition != "iid":
+                raise ValueError(
+                    "example_order uses CDGraBSampler's fixed random partition; it needs partition='iid', got "
+                    f"partition={partition!r}"
+                )
+        self.example_order = example_order
         self.batch_size = check_int("batch_size", batch_size, 1)
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}; got {partition!r}")
@@ -126,6 +138,11 @@ class ArrayDataModule(L.LightningDataModule, ABC):
         train_set = self._require_setup(self.train_set)
         trainer = self.trainer
         num_replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        if self.example_order is not None:
+            sampler: Sampler = CDGraBSampler(
+                train_set, self.batch_size, num_replicas, rank, order=self.example_order, seed=self.seed
+            )
+            return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
         sampler = PartitionSampler(
             train_set,
             train_set.labels.numpy(),
@@ -175,8 +192,9 @@ class DigitsDataModule(ArrayDataModule):
         dirichlet_alpha: float = 0.5,
         seed: int = 0,
         val_fraction: float = 0.2,
+        example_order: Optional[str] = None,
     ) -> None:
-        super().__init__(batch_size, partition, dirichlet_alpha, seed, val_fraction)
+        super().__init__(batch_size, partition, dirichlet_alpha, seed, val_fraction, example_order)
         self.save_hyperparameters()
 
     def _load_arrays(self) -> Arrays:
@@ -212,8 +230,9 @@ class MNIST1DDataModule(ArrayDataModule):
         dirichlet_alpha: float = 0.5,
         seed: int = 0,
         val_fraction: float = 0.2,
+        example_order: Optional[str] = None,
     ) -> None:
-        super().__init__(batch_size, partition, dirichlet_alpha, seed, val_fraction)
+        super().__init__(batch_size, partition, dirichlet_alpha, seed, val_fraction, example_order)
         self.num_samples = check_int("num_samples", num_samples, self.num_classes)
         usable = self.num_samples // self.num_classes * self.num_classes
         num_train = int(usable * (1 - self.val_fraction))

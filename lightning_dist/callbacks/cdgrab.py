@@ -1,0 +1,370 @@
+"""CD-GraB (paper 003): coordinated per-rank example orders that keep gradient prefix sums small."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.utils.data import DataLoader
+
+from lightning_dist.algorithms.balancing import PairBalancer
+from lightning_dist.algorithms.projection import CountSketch
+from lightning_dist.callbacks._loader_hook import TrainLoaderHook
+from lightning_dist.callbacks._per_example import PerExampleGradients, PerExampleLoss
+from lightning_dist.comm import Communicator
+from lightning_dist.data.cdgrab_sampler import CDGraBSampler
+
+MODES = ("coordinated", "independent")
+_STATE_FORMAT = 1
+
+
+class CDGraB(Callback):
+    """Order each rank's examples for the next epoch by online pair balancing of their gradients (paper 003).
+
+    Every training step, on every rank, this callback computes the per-example gradients of the
+    batch (``torch.func``: vmap over grad, at the weights the step starts from), takes the
+    differences of consecutive examples ``(0, 1), (2, 3), ...``, all-gathers them, and runs the
+    same online pair balancing (:mod:`lightning_dist.algorithms.balancing`) on every rank: one
+    running sum over all ranks' differences, pair-major then rank. At the end of the epoch each
+    rank's signs give its next order (front list, then reversed back list), which goes to its
+    :class:`~lightning_dist.data.CDGraBSampler`. Epoch 0 reads a seeded random order.
+
+    Use with ``strategy="ddp"`` (the paper's setting; Gloo or NCCL) or any strategy whose ranks
+    step together, and a ``CDGraBSampler(order="balanced")`` in the train loader::
+
+        sampler = CDGraBSampler(train_set, batch_size=16)
+        loader = DataLoader(train_set, batch_size=16, sampler=sampler)
+        trainer = L.Trainer(strategy="ddp", callbacks=[CDGraB()])
+
+    **The per-example loss.** The callback differentiates a function returning each example's
+    loss, shape ``(batch_size,)``: by default the module's ``per_example_loss(batch)`` method
+    (:class:`~lightning_dist.models.MLPClassifier` has one), or ``loss_fn(module, batch)``.
+    It is called on batches of one example under ``torch.func.vmap``: it must not log, and
+    batch-dependent layers (BatchNorm in training mode) have no per-example gradient.
+
+    The three orderings of the paper run on the same code: CD-GraB (this callback, default mode),
+    ID-GraB (``mode="independent"``: each rank balances its own differences with its own running
+    sum, nothing is exchanged), and D-RR (no callback, ``CDGraBSampler(order="random")``).
+
+    Args:
+        projection_dim: if set, gradients are first projected to this many dimensions by a
+            count sketch (:class:`~lightning_dist.algorithms.projection.CountSketch`, seeded, the
+            same on every rank): fewer bytes per all-gather and a smaller running sum, for large
+            models. ``None`` (default, as the reference code): full gradients. ``>= 1``.
+        mode: ``"coordinated"`` (CD-GraB) or ``"independent"`` (ID-GraB).
+        loss_fn: ``loss_fn(module, batch) -> Tensor[batch_size]``; default ``module.per_example_loss``.
+        seed: seeds the projection.
+        timeout: timeout of the callback's process group.
+
+    Requirements, checked when training starts (a ``ValueError`` on every rank otherwise): the
+    train loader is a ``DataLoader`` with a ``CDGraBSampler(order="balanced")`` built for this
+    world size and rank, and the loader's batch size equals the sampler's (even, the same on every
+    rank); every epoch reads the whole sampler (no ``limit_train_batches`` below 1). The sampler
+    drops the remainder of the dataset (logged with the number of examples dropped).
+
+    Costs per step: one ``vmap(grad)`` over the batch (about one more forward and backward), one
+    all-gather of ``batch_size / 2`` difference vectors of ``d`` floats (``d`` = trainable
+    parameters or ``projection_dim``), and ``world_size * batch_size / 2`` sequential dot products.
+    Memory: the gradients of a batch, the gathered differences and one running sum of ``d``.
+
+    Metrics, logged after every epoch through the Trainer's loggers (this rank's values):
+    ``cdgrab/bytes_sent`` (difference bytes this rank sent, all-gather count as in
+    :mod:`lightning_dist.comm`), ``cdgrab/seconds`` (time spent in the callback's step hook),
+    ``cdgrab/running_sum_norm`` (the 2-norm of the running sum at the end of the epoch: what the
+    balancing keeps small).
+
+    Checkpoints: the state holds every rank's current order, position in the epoch, signs and
+    running sum (gathered to rank 0, which writes the file). Resuming at an epoch end or in the
+    middle of an epoch (the sampler skips the examples already read) continues with the same
+    orders as the uninterrupted run.
+    """
+
+    def __init__(
+        self,
+        projection_dim: Optional[int] = None,
+        mode: str = "coordinated",
+        loss_fn: Optional[PerExampleLoss] = None,
+        seed: int = 0,
+        timeout: timedelta = default_pg_timeout,
+    ) -> None:
+        if projection_dim is not None and (
+            isinstance(projection_dim, bool) or not isinstance(projection_dim, int) or projection_dim < 1
+        ):
+            raise ValueError(f"projection_dim must be None or an integer >= 1; got {projection_dim!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(module, batch); got {loss_fn!r}")
+        self.projection_dim = projection_dim
+        self.mode = mode
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.seconds = 0.0
+        self._rank, self._world_size = 0, 1
+        self._comm: Optional[Communicator] = None
+        self._control_group: Optional[dist.ProcessGroup] = None
+        self._loader_hook: Optional[TrainLoaderHook] = None
+        self._sampler: Optional[CDGraBSampler] = None
+        self._gradients: Optional[PerExampleGradients] = None
+        self._projection: Optional[CountSketch] = None
+        self._balancer: Optional[PairBalancer] = None
+        self._first_non_finite: Optional[Tensor] = None  # per balanced rank: step of its first non-finite gradient
+        # The epoch whose order the balancer's signs refer to, and that order.
+        self._balanced_epoch = 0
+        self._balanced_permutation: Optional[Tensor] = None
+        self._loaded_state: Optional[dict[str, Any]] = None
+
+    @property
+    def coordinated(self) -> bool:
+        return self.mode == "coordinated"
+
+    @property
+    def sampler(self) -> Optional[CDGraBSampler]:
+        return self._sampler
+
+    @property
+    def balancer(self) -> Optional[PairBalancer]:
+        return self._balancer
+
+    def metrics(self) -> dict[str, float]:
+        norm = float(self._balancer.running_sum.norm()) if self._balancer is not None else 0.0
+        return {"cdgrab/bytes_sent": float(self.bytes_sent), "cdgrab/seconds": self.seconds,
+                "cdgrab/running_sum_norm": norm}
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        loss_fn = self.loss_fn
+        if loss_fn is None:
+            if not callable(getattr(pl_module, "per_example_loss", None)):
+                raise ValueError(
+                    f"CDGraB needs per-example losses: define per_example_loss(batch) -> Tensor of shape (batch_size,) "
+                    f"on {type(pl_module).__name__}, or pass CDGraB(loss_fn=...) with loss_fn(module, batch)"
+                )
+            loss_fn = _module_per_example_loss
+        self._gradients = PerExampleGradients(pl_module, loss_fn)
+        distributed = dist.is_available() and dist.is_initialized()
+        self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        if distributed:
+            # Created by every rank in the same order; never WORLD, where Lightning runs its own collectives.
+            self._comm = Communicator(dist.new_group(timeout=self.timeout))
+            self._control_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self._loader_hook = TrainLoaderHook(trainer, self._attach)
+
+    def _attach(self, loader: object) -> object:
+        """Find the sampler of the train loader and check it (every rank; inside ``FitLoop.setup_data``)."""
+        sampler = _find_sampler(loader)
+        batch_size = _loader_batch_size(loader)
+        if sampler.order != "balanced":
+            raise ValueError(
+                "CDGraB decides the orders of CDGraBSampler(order='balanced'); the train loader's sampler has "
+                f"order={sampler.order!r} (random reshuffling runs without the callback)"
+            )
+        if (sampler.num_replicas, sampler.rank) != (self._world_size, self._rank):
+            raise ValueError(
+                f"the CDGraBSampler was built for num_replicas={sampler.num_replicas}, rank={sampler.rank}; this process "
+                f"is rank {self._rank} of {self._world_size}"
+            )
+        if batch_size != sampler.batch_size:
+            raise ValueError(
+                f"the train loader's batch_size ({batch_size}) must equal the CDGraBSampler's batch_size "
+                f"({sampler.batch_size}): CD-GraB pairs examples within a batch and steps all ranks together"
+            )
+        if self._control_group is not None:
+            sizes: list[Any] = [None] * self._world_size
+            dist.all_gather_object(sizes, (batch_size, sampler.num_samples), group=self._control_group)
+            if len(set(sizes)) > 1:
+                listing = ", ".join(f"rank {r}: batch_size={b}, {n} examples" for r, (b, n) in enumerate(sizes))
+                raise ValueError(f"CDGraB needs the same batch_size and examples per rank on every rank; got {listing}")
+        assert self._gradients is not None
+        dim = self._gradients.num_parameters
+        device = self._gradients.device
+        if self.projection_dim is not None:
+            self._projection = CountSketch(dim, self.projection_dim, seed=self.seed, device=device)
+            dim = self.projection_dim
+        ranks = self._world_size if self.coordinated else 1
+        self._balancer = PairBalancer(ranks, sampler.num_samples, dim, device=device)
+        self._first_non_finite = torch.full((ranks,), -1, dtype=torch.int64, device=device)
+        self._sampler = sampler
+        self._start_balancing_epoch()
+        if self._loaded_state is not None:
+            self._restore(self._loaded_state)
+            self._loaded_state = None
+        return loader
+
+    # ------------------------------------------------------------------ training hooks
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._balancer is None or self._sampler is None:
+            return
+        expected = self._sampler.num_samples // self._sampler.batch_size
+        if trainer.num_training_batches != expected:
+            raise ValueError(
+                f"CDGraB needs every epoch to read the whole CDGraBSampler ({expected} batches per rank) to reorder all "
+                f"examples; this epoch has {trainer.num_training_batches} (limit_train_batches?)"
+            )
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._balancer is None or self._gradients is None:
+            return
+        start = time.perf_counter()
+        if self._balancer.epoch_complete:
+            # Reset at the first step of the next epoch, not at the end of the last: a checkpoint
+            # written in between must still hold the signs that decided the next order.
+            self._start_balancing_epoch()
+        gradients = self._gradients(batch)
+        if self._projection is not None:
+            gradients = self._projection(gradients)
+        differences = gradients[0::2] - gradients[1::2]  # (pairs, d)
+        if self.coordinated and self._comm is not None:
+            before = self._comm.stats.bytes_sent
+            gathered = self._comm.all_gather(differences, purpose="protocol").transpose(0, 1)  # (pairs, ranks, d)
+            self.bytes_sent += self._comm.stats.bytes_sent - before
+        else:
+            gathered = differences.unsqueeze(1)
+        assert self._first_non_finite is not None
+        # Checked at the epoch's end (reading a flag here would make every step wait for the
+        # device); the step where a rank first went non-finite tells which rank started it.
+        finite = torch.isfinite(gathered).flatten(start_dim=2).all(dim=2).all(dim=0)
+        newly = ~finite & (self._first_non_finite < 0)
+        self._first_non_finite = torch.where(newly, trainer.global_step, self._first_non_finite)
+        self._balancer.step(gathered)
+        self.seconds += time.perf_counter() - start
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._balancer is None or self._sampler is None:
+            return
+        self._raise_if_non_finite()
+        self._install_next_order()
+        for logger in trainer.loggers:
+            logger.log_metrics(self.metrics(), step=trainer.global_step)
+
+    def _start_balancing_epoch(self) -> None:
+        """Balance the sampler's current epoch from now on: zero sum, no signs."""
+        assert self._balancer is not None and self._sampler is not None
+        self._balancer.start_epoch()
+        self._balanced_epoch = self._sampler.epoch
+        self._balanced_permutation = self._sampler.permutation
+
+    def _install_next_order(self) -> None:
+        assert self._balancer is not None and self._sampler is not None
+        if self._balancer.epoch_complete:  # else stopped mid-epoch (max_steps): no next epoch to order
+            self._sampler.install_next_order(self._balanced_epoch + 1, self._next_permutation(self._balanced_permutation))
+
+    def _next_permutation(self, permutation: Tensor) -> Tensor:
+        """The next epoch's order from this epoch's ``permutation`` and the balancer's signs."""
+        assert self._balancer is not None
+        row = self._rank if self.coordinated else 0
+        return permutation[self._balancer.next_positions()[row].cpu()]
+
+    def _raise_if_non_finite(self) -> None:
+        assert self._first_non_finite is not None
+        first = self._first_non_finite.cpu()
+        if bool((first < 0).all()):
+            return
+        step = int(first[first >= 0].min())
+        ranks = (first == step).nonzero().view(-1).tolist() if self.coordinated else [self._rank]
+        raise FloatingPointError(
+            f"CDGraB: non-finite per-example gradients on rank(s) {ranks} from step {step} on; the example orders "
+            "cannot be balanced"
+        )
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._detach()
+
+    def _detach(self) -> None:
+        if self._loader_hook is not None:
+            self._loader_hook.remove()
+            self._loader_hook = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint: its sampler's order and position, the balancer, the counters."""
+        if self._sampler is None or self._balancer is None:
+            return {}
+        return {
+            "epoch": self._balanced_epoch,
+            "permutation": self._balanced_permutation.clone(),
+            "balancer": {k: v.cpu() if isinstance(v, Tensor) else v for k, v in self._balancer.state_dict().items()},
+            "first_non_finite": self._first_non_finite.cpu() if self._first_non_finite is not None else None,
+            "bytes_sent": self.bytes_sent,
+            "seconds": self.seconds,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's state, gathered to rank 0 (a collective on all ranks while training)."""
+        local = self.rank_state_dict()
+        if self._control_group is None:
+            return {"format": _STATE_FORMAT, "ranks": [local]}
+        gathered: Optional[list[Any]] = [None] * self._world_size if self._rank == 0 else None
+        dist.gather_object(local, gathered, dst=0, group=self._control_group)
+        return {"format": _STATE_FORMAT, "ranks": gathered}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Applied when the train loader is set up: the sampler exists only then.
+        self._loaded_state = state_dict
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        assert self._sampler is not None and self._balancer is not None
+        ranks = state["ranks"]
+        if len(ranks) != self._world_size:
+            raise ValueError(
+                f"the CDGraB state in the checkpoint was written by {len(ranks)} processes; resuming needs the same "
+                f"number (devices * num_nodes), got {self._world_size}"
+            )
+        local = ranks[self._rank]
+        if not local:
+            return  # saved before training started
+        device = self._balancer.running_sum.device
+        self._balancer.load_state_dict({k: v.to(device) if isinstance(v, Tensor) else v for k, v in local["balancer"].items()})
+        if local["first_non_finite"] is not None:
+            self._first_non_finite = local["first_non_finite"].to(device)
+        self.bytes_sent = local["bytes_sent"]
+        self.seconds = local["seconds"]
+        self._balanced_epoch, self._balanced_permutation = local["epoch"], local["permutation"]
+        if self._balancer.epoch_complete:
+            # Saved after the epoch's last step: continue with the next epoch's order, decided again
+            # from the signs. Set now, not left for set_epoch: a loader with worker processes
+            # reads the sampler when Lightning creates the iterator, before set_epoch on a resume.
+            self._sampler.resume_at(local["epoch"] + 1, self._next_permutation(local["permutation"]), start=0)
+        else:
+            self._sampler.resume_at(local["epoch"], local["permutation"], start=2 * self._balancer.pairs_done)
+
+
+def _module_per_example_loss(module: Any, batch: Any) -> Tensor:
+    return module.per_example_loss(batch)
+
+
+def _find_sampler(loader: object) -> CDGraBSampler:
+    if not isinstance(loader, DataLoader):
+        raise ValueError(f"CDGraB needs a torch.utils.data.DataLoader as train loader; got {type(loader).__name__}")
+    for candidate in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(candidate, CDGraBSampler):
+            return candidate
+    raise ValueError(
+        "CDGraB needs the train loader to sample with lightning_dist.data.CDGraBSampler (it installs each epoch's "
+        f"order there); got sampler {type(loader.sampler).__name__}"
+    )
+
+
+def _loader_batch_size(loader: DataLoader) -> Optional[int]:
+    if loader.batch_size is not None:
+        return loader.batch_size
+    return getattr(loader.batch_sampler, "batch_size", None)
