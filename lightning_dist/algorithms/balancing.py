@@ -44,6 +44,11 @@ def balance_signs_(running_sum: Tensor, differences: Tensor) -> Tensor:
             f"differences must be (k, d) and running_sum (d,); got {tuple(differences.shape)} and "
             f"{tuple(running_sum.shape)}"
         )
+    if differences.dtype != running_sum.dtype or differences.device != running_sum.device:
+        raise ValueError(
+            f"differences ({differences.dtype} on {differences.device}) must match running_sum's dtype and device "
+            f"({running_sum.dtype} on {running_sum.device})"
+        )
     if differences.device.type == "cpu":
         return _balance_on_host_(running_sum, differences)
     return _balance_on_device_(running_sum, differences)
@@ -206,6 +211,8 @@ def balance_epoch(vectors: Tensor, coordinated: bool = True) -> Tensor:
     pair-major then rank); otherwise ID-GraB (one sum per rank). Used by the herding-bound
     benchmark and the simulator, where all vectors of an epoch are at hand.
     """
+    if vectors.dim() != 3 or vectors.shape[0] % 2:
+        raise ValueError(f"vectors must be (n positions, m ranks, d) with n even (pairs); got {tuple(vectors.shape)}")
     positions, ranks, dim = vectors.shape
     differences = vectors[0::2] - vectors[1::2]  # (n / 2, m, d)
     if coordinated:

@@ -1,0 +1,234 @@
+"""CDGraB callback: checks in one process; balancing, orders, bytes, resume and failures on 2-3 Gloo ranks.
+
+The multi-process runs (tests/workers/cdgrab.py) train a small MLP on 320 MNIST-1D examples
+with ``strategy="ddp"``: with 3 ranks and batch size 4 the sampler keeps 312 examples (drops 8),
+104 per rank, 26 steps per epoch. The worker records, independently of the callback, each step's
+pair differences from a plain autograd loop; the tests replay paper 003's balancing on them in
+this process and compare with what the ranks decided and with the orders they then read.
+"""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from helpers.launch import load_results, run_ranks
+from lightning_dist import CDGraB, CDGraBSampler
+from lightning_dist.algorithms.balancing import PairBalancer, reorder_positions
+from lightning_dist.data.datamodules import MNIST1DDataModule
+from lightning_dist.models import MLPClassifier
+
+RANKS = 3
+BATCH = 4
+PER_RANK = 104
+STEPS_PER_EPOCH = PER_RANK // BATCH
+NUM_PARAMETERS = 40 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10
+
+
+def _launch(tmp_path, name, ranks=RANKS, **spec):
+    out = tmp_path / name
+    run_ranks(ranks, "cdgrab", {"num_samples": 400, "batch_size": BATCH, **spec}, out)
+    return load_results(out, ranks)
+
+
+def _ok(results):
+    for result in results:
+        assert result["error"] is None, result["error"]
+    return results
+
+
+def _replay(results, epoch_index, coordinated):
+    """Signs (pairs, ranks) of paper 003's balancing over the recorded reference differences of one epoch."""
+    per_rank = [torch.cat(r["epochs"][epoch_index]["differences"]) for r in results]  # (pairs, d) each
+    differences = torch.stack(per_rank, dim=1)  # (pairs, ranks, d): pair-major, then rank
+    if coordinated:
+        balancer = PairBalancer(len(results), 2 * differences.shape[0], differences.shape[2])
+        return balancer.step(differences)
+    columns = []
+    for rank in range(len(results)):
+        balancer = PairBalancer(1, 2 * differences.shape[0], differences.shape[2])
+        columns.append(balancer.step(differences[:, rank : rank + 1])[:, 0])
+    return torch.stack(columns, dim=1)
+
+
+@pytest.fixture(scope="module")
+def coordinated(tmp_path_factory):
+    """3 ranks, 3 epochs of CD-GraB with full gradients."""
+    return _ok(_launch(tmp_path_factory.mktemp("cdgrab"), "coordinated", trainer={"max_epochs": 3}))
+
+
+def test_every_batch_holds_the_examples_the_order_names(coordinated):
+    for result in coordinated:
+        assert [e["epoch"] for e in result["epochs"]] == [0, 1, 2]
+        for epoch in result["epochs"]:
+            assert epoch["batches_match"]
+            assert len(epoch["differences"]) == STEPS_PER_EPOCH
+    # A fixed random partition: disjoint, the same every epoch, 8 examples dropped.
+    parts = [set(r["epochs"][0]["local_indices"].tolist()) for r in coordinated]
+    assert all(len(p) == PER_RANK for p in parts) and len(set.union(*parts)) == RANKS * PER_RANK
+    for result in coordinated:
+        assert result["dropped"] == 8
+        assert all(torch.equal(e["local_indices"], result["epochs"][0]["local_indices"]) for e in result["epochs"])
+
+
+def test_all_ranks_agree_on_the_signs_of_the_shared_balancing(coordinated):
+    for epoch_index in range(3):
+        signs = [r["epochs"][epoch_index]["signs"] for r in coordinated]
+        assert signs[0].shape == (PER_RANK // 2, RANKS)
+        assert all(torch.equal(s, signs[0]) for s in signs)
+        # Balancing must have decided something non-trivial.
+        assert (signs[0] == 1).any() and (signs[0] == -1).any()
+
+
+def test_signs_are_paper_003s_balancing_of_every_ranks_differences(coordinated):
+    for epoch_index in range(3):
+        expected = _replay(coordinated, epoch_index, coordinated=True)
+        assert torch.equal(coordinated[0]["epochs"][epoch_index]["signs"], expected)
+
+
+def test_next_epochs_order_is_front_list_then_reversed_back_list(coordinated):
+    for rank, result in enumerate(coordinated):
+        for this, following in zip(result["epochs"], result["epochs"][1:]):
+            positions = reorder_positions(this["signs"][:, rank])
+            assert torch.equal(following["permutation"], this["permutation"][positions])
+            assert not torch.equal(following["permutation"], this["permutation"])
+        # Epoch 0 is a seeded random order, different on every rank.
+    firsts = [r["epochs"][0]["permutation"] for r in coordinated]
+    assert not torch.equal(firsts[0], firsts[1])
+
+
+def test_bytes_are_every_steps_differences_to_every_other_rank(coordinated):
+    steps = 3 * STEPS_PER_EPOCH
+    for result in coordinated:
+        assert result["bytes_sent"] == steps * (RANKS - 1) * (BATCH // 2) * NUM_PARAMETERS * 4
+        assert result["metrics"]["cdgrab/bytes_sent"] == result["bytes_sent"]
+
+
+def test_independent_mode_balances_each_rank_alone_and_sends_nothing(tmp_path):
+    results = _ok(_launch(tmp_path, "independent", mode="independent", trainer={"max_epochs": 2}))
+    expected = _replay(results, 0, coordinated=False)
+    for rank, result in enumerate(results):
+        assert result["bytes_sent"] == 0
+        assert torch.equal(result["epochs"][0]["signs"][:, 0], expected[:, rank])
+        positions = reorder_positions(expected[:, rank])
+        assert torch.equal(result["epochs"][1]["permutation"], result["epochs"][0]["permutation"][positions])
+    assert not torch.equal(expected, _replay(results, 0, coordinated=True))
+
+
+RESUME_RANKS = 2
+RESUME_STEPS_PER_EPOCH = 320 // (RESUME_RANKS * BATCH)  # 40
+
+
+@pytest.mark.parametrize("stop_step", [RESUME_STEPS_PER_EPOCH + 4, RESUME_STEPS_PER_EPOCH])
+def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, stop_step):
+    """A run resumed from the checkpoint at ``stop_step`` ends with the uninterrupted run's weights and order.
+
+    Two ranks: DDP rebuilds its gradient buckets after a process's first step, which with three
+    or more Gloo ranks changes the summation order of some gradient elements (a resumed process
+    starts with the initial buckets), so there the weights agree only to rounding. Two-rank sums
+    are commutative, so every difference here would be CD-GraB's.
+    """
+    common = {"projection_dim": 32, "trainer": {"max_epochs": 3}}
+    full = _ok(_launch(tmp_path, "full", ranks=RESUME_RANKS, checkpoint_dir=str(tmp_path / "ckpt"),
+                       every_n_train_steps=stop_step, **common))
+    resumed = _ok(_launch(tmp_path, "resumed", ranks=RESUME_RANKS,
+                          ckpt_path=str(tmp_path / "ckpt" / f"step={stop_step}.ckpt"), **common))
+    total_steps = 3 * RESUME_STEPS_PER_EPOCH
+    for a, b in zip(full, resumed):
+        assert b["global_step"] == a["global_step"] == total_steps
+        assert torch.equal(a["vector"], b["vector"])
+        assert torch.equal(a["sampler_permutation"], b["sampler_permutation"])
+        assert torch.equal(a["epochs"][-1]["signs"], b["epochs"][-1]["signs"])
+        # The resumed run read the rest of the interrupted epoch, or the next epoch, in the same order.
+        first = b["epochs"][0]
+        assert first["batches_match"] and first["epoch"] == stop_step // RESUME_STEPS_PER_EPOCH
+        assert torch.equal(first["permutation"], a["epochs"][first["epoch"]]["permutation"])
+        # Projected differences: 32 floats per pair, counted over the whole run (restored counter).
+        assert b["bytes_sent"] == a["bytes_sent"] == total_steps * (RESUME_RANKS - 1) * (BATCH // 2) * 32 * 4
+
+
+def test_different_batch_sizes_and_non_finite_gradients_stop_every_rank_with_a_clear_error(tmp_path):
+    results = _launch(tmp_path, "batch_sizes", ranks=2, batch_sizes=[4, 6], trainer={"max_epochs": 1})
+    for result in results:
+        assert "same batch_size and examples per rank on every rank" in result["error"]
+        assert "rank 0: batch_size=4" in result["error"] and "rank 1: batch_size=6" in result["error"]
+    results = _launch(tmp_path, "nan", ranks=2, nan={"rank": 1, "step": 5}, trainer={"max_epochs": 2})
+    for result in results:
+        assert result["error"].startswith("FloatingPointError: CDGraB: non-finite per-example gradients on rank(s) [1] from step 5 on")
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(projection_dim=0), "projection_dim must be None or an integer >= 1"),
+        (dict(projection_dim=2.5), "projection_dim"),
+        (dict(mode="central"), "mode must be one of"),
+        (dict(loss_fn="mean"), "loss_fn must be callable"),
+    ],
+)
+def test_bad_arguments_name_the_parameter(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CDGraB(**kwargs)
+
+
+def _fit(callback, datamodule=None, model=None, **trainer):
+    datamodule = datamodule or MNIST1DDataModule(num_samples=400, batch_size=BATCH, example_order="balanced")
+    model = model or MLPClassifier(num_features=40, num_classes=10, hidden_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[callback],
+                        limit_val_batches=0, num_sanity_val_steps=0, **{"max_epochs": 2, **trainer})
+    trainer.fit(model, datamodule=datamodule)
+    return trainer
+
+
+def test_one_process_is_centralised_pair_balancing():
+    callback = CDGraB()
+    _fit(callback)
+    sampler = callback.sampler
+    assert sampler.epoch == 1 and sampler.dropped == 320 % BATCH
+    assert callback.bytes_sent == 0 and callback.metrics()["cdgrab/seconds"] > 0
+
+
+def test_a_random_order_sampler_is_refused():
+    datamodule = MNIST1DDataModule(num_samples=400, batch_size=BATCH, example_order="random")
+    with pytest.raises(ValueError, match="order='balanced'"):
+        _fit(CDGraB(), datamodule=datamodule)
+
+
+def test_a_loader_without_the_sampler_is_refused():
+    datamodule = MNIST1DDataModule(num_samples=400, batch_size=BATCH)
+    with pytest.raises(ValueError, match="CDGraBSampler"):
+        _fit(CDGraB(), datamodule=datamodule)
+
+
+def test_partial_epochs_are_refused():
+    with pytest.raises(ValueError, match="read the whole CDGraBSampler"):
+        _fit(CDGraB(), limit_train_batches=0.5)
+
+
+def test_a_module_without_per_example_loss_needs_loss_fn():
+    class Plain(MLPClassifier):
+        per_example_loss = None
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    with pytest.raises(ValueError, match="define per_example_loss"):
+        _fit(CDGraB(), model=Plain(num_features=40, num_classes=10, hidden_size=8))
+    # With loss_fn the same module trains.
+    callback = CDGraB(loss_fn=lambda module, batch: torch.nn.functional.cross_entropy(
+        module(batch[0]), batch[1], reduction="none"))
+    _fit(callback, model=Plain(num_features=40, num_classes=10, hidden_size=8), max_epochs=1)
+    assert callback.balancer.epoch_complete
+
+
+def test_loader_batch_size_must_match_the_sampler():
+    class Mismatch(MNIST1DDataModule):
+        def train_dataloader(self):
+            return DataLoader(self.train_set, batch_size=6, sampler=CDGraBSampler(self.train_set, 4, 1, 0))
+
+    with pytest.raises(ValueError, match=r"batch_size \(6\) must equal the CDGraBSampler's batch_size \(4\)"):
+        _fit(CDGraB(), datamodule=Mismatch(num_samples=400, batch_size=BATCH))
