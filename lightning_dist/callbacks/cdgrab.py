@@ -73,6 +73,8 @@ class CDGraB(Callback):
     Costs per step: one ``vmap(grad)`` over the batch (about one more forward and backward), one
     all-gather of ``batch_size / 2`` difference vectors of ``d`` floats (``d`` = trainable
     parameters or ``projection_dim``), and ``world_size * batch_size / 2`` sequential dot products.
+    The all-gather runs in the background during the step and is balanced at the start of the
+    next one (or at the epoch's end): the order is needed only for the next epoch.
     Memory: the gradients of a batch, the gathered differences and one running sum of ``d``.
 
     Metrics, logged after every epoch through the Trainer's loggers (this rank's values):
@@ -123,6 +125,9 @@ class CDGraB(Callback):
         self._balanced_epoch = 0
         self._balanced_permutation: Optional[Tensor] = None
         self._loaded_state: Optional[dict[str, Any]] = None
+        # This rank's last differences with their step: an all-gather in flight (coordinated)
+        # or the local (pairs, d) tensor (independent), balanced at the next step.
+        self._pending: Optional[tuple[Any, int]] = None
 
     @property
     def coordinated(self) -> bool:
@@ -228,24 +233,39 @@ class CDGraB(Callback):
         if self._projection is not None:
             gradients = self._projection(gradients)
         differences = gradients[0::2] - gradients[1::2]  # (pairs, d)
+        # Balance the previous step's differences (their all-gather had a whole step to arrive),
+        # then send this step's. The order only matters at the epoch's end.
+        self._balance_pending()
         if self.coordinated and self._comm is not None:
             before = self._comm.stats.bytes_sent
-            gathered = self._comm.all_gather(differences, purpose="protocol").transpose(0, 1)  # (pairs, ranks, d)
+            self._pending = (self._comm.start_all_gather(differences, purpose="protocol"), trainer.global_step)
             self.bytes_sent += self._comm.stats.bytes_sent - before
         else:
-            gathered = differences.unsqueeze(1)
-        assert self._first_non_finite is not None
+            self._pending = (differences, trainer.global_step)
+            self._balance_pending()
+        self.seconds += time.perf_counter() - start
+
+    def _balance_pending(self) -> None:
+        """Wait for the differences in flight, if any, and feed them to the balancer."""
+        if self._pending is None:
+            return
+        pending, step = self._pending
+        self._pending = None
+        assert self._balancer is not None and self._first_non_finite is not None
+        # (pairs, ranks, d), pair-major as the balancer walks: the local (pairs, d) differences, or
+        # the all-gather's (ranks, pairs, d) transposed.
+        gathered = pending.unsqueeze(1) if isinstance(pending, Tensor) else pending.wait().transpose(0, 1)
         # Checked at the epoch's end (reading a flag here would make every step wait for the
         # device); the step where a rank first went non-finite tells which rank started it.
         finite = torch.isfinite(gathered).flatten(start_dim=2).all(dim=2).all(dim=0)
         newly = ~finite & (self._first_non_finite < 0)
-        self._first_non_finite = torch.where(newly, trainer.global_step, self._first_non_finite)
+        self._first_non_finite = torch.where(newly, step, self._first_non_finite)
         self._balancer.step(gathered)
-        self.seconds += time.perf_counter() - start
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._balancer is None or self._sampler is None:
             return
+        self._balance_pending()
         self._raise_if_non_finite()
         self._install_next_order()
         for logger in trainer.loggers:
@@ -289,6 +309,7 @@ class CDGraB(Callback):
             self._detach()
 
     def _detach(self) -> None:
+        self._pending = None
         if self._loader_hook is not None:
             self._loader_hook.remove()
             self._loader_hook = None
@@ -299,6 +320,8 @@ class CDGraB(Callback):
         """This rank's part of the checkpoint: its sampler's order and position, the balancer, the counters."""
         if self._sampler is None or self._balancer is None:
             return {}
+        # Every rank issued the all-gather in flight before any rank reached this hook.
+        self._balance_pending()
         return {
             "epoch": self._balanced_epoch,
             "permutation": self._balanced_permutation.clone(),

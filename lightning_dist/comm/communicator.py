@@ -23,6 +23,18 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+class PendingGather:
+    """An all-gather in flight: :meth:`wait` returns every rank's tensor, stacked in rank order."""
+
+    def __init__(self, work: dist.Work, gathered: Tensor) -> None:
+        self._work = work
+        self._gathered = gathered
+
+    def wait(self) -> Tensor:
+        self._work.wait()
+        return self._gathered
+
+
 class Communicator:
     """Counted collectives and point-to-point transfers on one process group.
 
@@ -41,10 +53,19 @@ class Communicator:
 
     def all_gather(self, tensor: Tensor, purpose: str) -> Tensor:
         """Every rank's ``tensor``, stacked along a new first dimension in rank order."""
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor.contiguous(), group=self.group)
+        return self.start_all_gather(tensor, purpose).wait()
+
+    def start_all_gather(self, tensor: Tensor, purpose: str) -> PendingGather:
+        """Start :meth:`all_gather` without waiting for it; ``.wait()`` on the result gives the stack.
+
+        The collective runs in the backend's own threads (Gloo) or stream (NCCL) while the caller
+        goes on computing; ``tensor`` must not change until then.
+        """
+        flat = tensor.reshape(-1).contiguous()  # Gloo gathers along the first dimension only
+        gathered = flat.new_empty(self.world_size * flat.numel())
+        work = dist.all_gather_into_tensor(gathered, flat, group=self.group, async_op=True)
         self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
-        return torch.stack(gathered)
+        return PendingGather(work, gathered.view(self.world_size, *tensor.shape))
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
         """Sum ``tensor`` over all ranks in place."""
