@@ -117,10 +117,20 @@ def test_independent_mode_balances_each_rank_alone_and_sends_nothing(tmp_path):
 
 RESUME_RANKS = 2
 RESUME_STEPS_PER_EPOCH = 320 // (RESUME_RANKS * BATCH)  # 40
+RESUME_SPEC = {"projection_dim": 32, "trainer": {"max_epochs": 3}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run both resume tests compare with; it writes a checkpoint every 4 steps."""
+    out = tmp_path_factory.mktemp("cdgrab_resume")
+    results = _ok(_launch(out, "full", ranks=RESUME_RANKS, checkpoint_dir=str(out / "ckpt"), every_n_train_steps=4,
+                          **RESUME_SPEC))
+    return results, out / "ckpt"
 
 
 @pytest.mark.parametrize("stop_step", [RESUME_STEPS_PER_EPOCH + 4, RESUME_STEPS_PER_EPOCH])
-def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, stop_step):
+def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, uninterrupted, stop_step):
     """A run resumed from the checkpoint at ``stop_step`` ends with the uninterrupted run's weights and order.
 
     Two ranks: DDP rebuilds its gradient buckets after a process's first step, which with three
@@ -128,11 +138,9 @@ def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, stop_step):
     starts with the initial buckets), so there the weights agree only to rounding. Two-rank sums
     are commutative, so every difference here would be CD-GraB's.
     """
-    common = {"projection_dim": 32, "trainer": {"max_epochs": 3}}
-    full = _ok(_launch(tmp_path, "full", ranks=RESUME_RANKS, checkpoint_dir=str(tmp_path / "ckpt"),
-                       every_n_train_steps=stop_step, **common))
-    resumed = _ok(_launch(tmp_path, "resumed", ranks=RESUME_RANKS,
-                          ckpt_path=str(tmp_path / "ckpt" / f"step={stop_step}.ckpt"), **common))
+    full, checkpoints = uninterrupted
+    resumed = _ok(_launch(tmp_path, "resumed", ranks=RESUME_RANKS, ckpt_path=str(checkpoints / f"step={stop_step}.ckpt"),
+                          **RESUME_SPEC))
     total_steps = 3 * RESUME_STEPS_PER_EPOCH
     for a, b in zip(full, resumed):
         assert b["global_step"] == a["global_step"] == total_steps
