@@ -302,14 +302,22 @@ class CDGraB(Callback):
         )
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Peers may be gone: drop the gather in flight and keep the groups (no collective here).
+        self._pending = None
         self._detach()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._detach()
+        if stage != "fit":
+            return
+        if self._pending is not None:
+            self._balance_pending()  # stopped mid-epoch (max_steps): let the last gather finish
+        for group in (self._comm.group if self._comm is not None else None, self._control_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._comm, self._control_group = None, None
+        self._detach()
 
     def _detach(self) -> None:
-        self._pending = None
         if self._loader_hook is not None:
             self._loader_hook.remove()
             self._loader_hook = None
