@@ -53,7 +53,10 @@ class Communicator:
 
     def all_gather(self, tensor: Tensor, purpose: str) -> Tensor:
         """Every rank's ``tensor``, stacked along a new first dimension in rank order."""
-        return self.start_all_gather(tensor, purpose).wait()
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor.contiguous(), group=self.group)
+        self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
+        return torch.stack(gathered)
 
     def start_all_gather(self, tensor: Tensor, purpose: str) -> PendingGather:
         """Start :meth:`all_gather` without waiting for it; ``.wait()`` on the result gives the stack.
@@ -61,11 +64,11 @@ class Communicator:
         The collective runs in the backend's own threads (Gloo) or stream (NCCL) while the caller
         goes on computing; ``tensor`` must not change until then.
         """
-        flat = tensor.reshape(-1).contiguous()  # Gloo gathers along the first dimension only
-        gathered = flat.new_empty(self.world_size * flat.numel())
-        work = dist.all_gather_into_tensor(gathered, flat, group=self.group, async_op=True)
+        tensor = tensor.contiguous()
+        gathered = tensor.new_empty(self.world_size, *tensor.shape)
+        work = dist.all_gather(list(gathered.unbind(0)), tensor, group=self.group, async_op=True)
         self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
-        return PendingGather(work, gathered.view(self.world_size, *tensor.shape))
+        return PendingGather(work, gathered)
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
         """Sum ``tensor`` over all ranks in place."""
