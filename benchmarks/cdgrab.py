@@ -368,9 +368,7 @@ def method_table(s: dict[str, Any]) -> str:
         if method not in s["methods"]:
             continue
         r = s["methods"][method]
-        parts = r["callback_ms_per_step"]
-        cb = (f"{parts['cdgrab_s']:.2f} ({parts['grad_s']:.2f} / {parts['gather_s']:.2f} "
-              f"[{parts.get('gather_wait_s', 0.0):.2f}] / {parts['balance_s']:.2f})" if method != "drr" else "-")
+        cb = _callback_parts(r["callback_ms_per_step"], method)
         share = f"{100 * r['callback_share_of_epoch']:.0f} %" if method != "drr" else "-"
         step = f"{r['step_ms']:.1f}" + (f" (+{r['extra_ms_per_step_vs_drr']:.1f})" if method != "drr" else "")
         lines.append(
@@ -383,6 +381,14 @@ def method_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _callback_parts(parts: dict[str, float], method: str) -> str:
+    """``hook (grad / gather [wait] / balance)`` in ms per step; D-RR has no callback."""
+    if method == "drr":
+        return "-"
+    return (f"{parts['cdgrab_s']:.2f} ({parts['grad_s']:.2f} / {parts['gather_s']:.2f} "
+            f"[{parts.get('gather_wait_s', 0.0):.2f}] / {parts['balance_s']:.2f})")
+
+
 def overhead_table(overhead: dict[str, Any]) -> str:
     lines = ["| task | ranks | method | epoch s (median) | vs D-RR | step ms | "
              "callback ms/step: hook (grad / gather [wait] / balance) |",
@@ -392,9 +398,7 @@ def overhead_table(overhead: dict[str, Any]) -> str:
             if method not in s["methods"]:
                 continue
             r = s["methods"][method]
-            parts = r["callback_ms_per_step"]
-            cb = (f"{parts['cdgrab_s']:.2f} ({parts['grad_s']:.2f} / {parts['gather_s']:.2f} "
-                  f"[{parts.get('gather_wait_s', 0.0):.2f}] / {parts['balance_s']:.2f})" if method != "drr" else "-")
+            cb = _callback_parts(r["callback_ms_per_step"], method)
             lines.append(f"| {task} | {s['world_size']} | {LABELS[method]} | {r['epoch_s']:.3f} | {r['ratio']:.2f}x | "
                          f"{r['step_ms']:.2f} | {cb} |")
     return "\n".join(lines)

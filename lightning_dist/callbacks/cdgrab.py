@@ -20,6 +20,7 @@ from lightning_dist.algorithms.projection import CountSketch
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._per_example import PerExampleGradients, PerExampleLoss
 from lightning_dist.comm import Communicator
+from lightning_dist.comm.communicator import PendingGather
 from lightning_dist.data.cdgrab_sampler import CDGraBSampler
 
 MODES = ("coordinated", "independent")
@@ -125,9 +126,8 @@ class CDGraB(Callback):
         self._balanced_epoch = 0
         self._balanced_permutation: Optional[Tensor] = None
         self._loaded_state: Optional[dict[str, Any]] = None
-        # This rank's last differences with their step: an all-gather in flight (coordinated)
-        # or the local (pairs, d) tensor (independent), balanced at the next step.
-        self._pending: Optional[tuple[Any, int]] = None
+        # The all-gather of this rank's last differences, with their step, balanced at the next step.
+        self._pending: Optional[tuple[PendingGather, int]] = None
 
     @property
     def coordinated(self) -> bool:
@@ -241,26 +241,26 @@ class CDGraB(Callback):
             self._pending = (self._comm.start_all_gather(differences, purpose="protocol"), trainer.global_step)
             self.bytes_sent += self._comm.stats.bytes_sent - before
         else:
-            self._pending = (differences, trainer.global_step)
-            self._balance_pending()
+            self._balance(differences.unsqueeze(1), trainer.global_step)
         self.seconds += time.perf_counter() - start
 
     def _balance_pending(self) -> None:
-        """Wait for the differences in flight, if any, and feed them to the balancer."""
+        """Wait for the all-gather in flight, if any, and balance what it brought."""
         if self._pending is None:
             return
         pending, step = self._pending
         self._pending = None
+        self._balance(pending.wait().transpose(0, 1), step)  # (ranks, pairs, d) -> pair-major
+
+    def _balance(self, differences: Tensor, step: int) -> None:
+        """Feed ``(pairs, ranks, d)`` differences of ``step`` to the balancer."""
         assert self._balancer is not None and self._first_non_finite is not None
-        # (pairs, ranks, d), pair-major as the balancer walks: the local (pairs, d) differences, or
-        # the all-gather's (ranks, pairs, d) transposed.
-        gathered = pending.unsqueeze(1) if isinstance(pending, Tensor) else pending.wait().transpose(0, 1)
         # Checked at the epoch's end (reading a flag here would make every step wait for the
         # device); the step where a rank first went non-finite tells which rank started it.
-        finite = torch.isfinite(gathered).flatten(start_dim=2).all(dim=2).all(dim=0)
+        finite = torch.isfinite(differences).flatten(start_dim=2).all(dim=2).all(dim=0)
         newly = ~finite & (self._first_non_finite < 0)
         self._first_non_finite = torch.where(newly, step, self._first_non_finite)
-        self._balancer.step(gathered)
+        self._balancer.step(differences)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._balancer is None or self._sampler is None:

@@ -129,12 +129,7 @@ class CDGraBSampler(DistributedSampler):
 
     def install_next_order(self, epoch: int, permutation: Tensor) -> None:
         """Make ``permutation`` (positions into :attr:`local_indices`) the order of ``epoch`` from its ``set_epoch`` on."""
-        permutation = torch.as_tensor(permutation, dtype=torch.int64).cpu()
-        if permutation.shape != (self.num_samples,) or not torch.equal(
-            permutation.sort().values, torch.arange(self.num_samples)
-        ):
-            raise ValueError(f"permutation must be a permutation of range({self.num_samples}); got {permutation!r}")
-        self._next = (check_int("epoch", epoch, 0), permutation)
+        self._next = (check_int("epoch", epoch, 0), self._check_permutation(permutation))
 
     def resume_at(self, epoch: int, permutation: Tensor, start: int) -> None:
         """Continue ``epoch`` in ``permutation`` after its first ``start`` examples (a mid-epoch resume).
@@ -142,10 +137,18 @@ class CDGraBSampler(DistributedSampler):
         The next iteration skips them; ``len`` stays the epoch's full length, which is what
         Lightning expects of a loader that it resumes at batch ``start / batch_size``.
         """
-        self.install_next_order(epoch, permutation)
-        self.epoch = -1  # force set_epoch to adopt it
-        self.set_epoch(epoch)
+        self.permutation = self._check_permutation(permutation)
+        self.epoch = check_int("epoch", epoch, 0)
+        self._next = None
         self._start = check_int("start", start, 0, self.num_samples)
+
+    def _check_permutation(self, permutation: Tensor) -> Tensor:
+        permutation = torch.as_tensor(permutation, dtype=torch.int64).cpu()
+        if permutation.shape != (self.num_samples,) or not torch.equal(
+            permutation.sort().values, torch.arange(self.num_samples)
+        ):
+            raise ValueError(f"permutation must be a permutation of range({self.num_samples}); got {permutation!r}")
+        return permutation
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "permutation": self.permutation.clone(), "start": self._start}
