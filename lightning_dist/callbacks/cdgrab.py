@@ -19,7 +19,7 @@ from lightning_dist.algorithms.balancing import PairBalancer
 from lightning_dist.algorithms.projection import CountSketch
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._per_example import PerExampleGradients, PerExampleLoss
-from lightning_dist.comm import Communicator
+from lightning_dist.comm import Communicator, destroy_group, new_group
 from lightning_dist.comm.communicator import PendingGather
 from lightning_dist.data.cdgrab_sampler import CDGraBSampler
 
@@ -164,8 +164,8 @@ class CDGraB(Callback):
         self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         if distributed:
             # Created by every rank in the same order; never WORLD, where Lightning runs its own collectives.
-            self._comm = Communicator(dist.new_group(timeout=self.timeout))
-            self._control_group = dist.new_group(backend="gloo", timeout=self.timeout)
+            self._comm = Communicator(new_group(timeout=self.timeout))
+            self._control_group = new_group(backend="gloo", timeout=self.timeout)
         self._loader_hook = TrainLoaderHook(trainer, self._attach)
 
     def _attach(self, loader: object) -> object:
@@ -311,9 +311,9 @@ class CDGraB(Callback):
             return
         if self._pending is not None:
             self._balance_pending()  # stopped mid-epoch (max_steps): let the last gather finish
-        for group in (self._comm.group if self._comm is not None else None, self._control_group):
-            if group is not None:
-                dist.destroy_process_group(group)
+        if self._comm is not None:
+            self._comm.close()
+        destroy_group(self._control_group)
         self._comm, self._control_group = None, None
         self._detach()
 

@@ -35,6 +35,7 @@ from lightning_dist.algorithms.selection import (
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._records import RecordCodec
 from lightning_dist.callbacks._weaving import FOREIGN, WovenLoader, check_train_loader
+from lightning_dist.comm import destroy_group, new_group
 
 _UNTAGGED = object()
 _STATE_FORMAT = 1
@@ -285,8 +286,10 @@ class DataGossip(Callback):
             )
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         # Created by every rank, in the same order as any other group (setup runs on all ranks).
-        self._data_group = dist.new_group(backend="gloo", timeout=self.timeout)
-        self._control_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        # The previous fit's control group served its checkpoints until now.
+        destroy_group(self._control_group)
+        self._data_group = new_group(backend="gloo", timeout=self.timeout)
+        self._control_group = new_group(backend="gloo", timeout=self.timeout)
         self._calls = 0
         self._inflight = None
         self._received = None
@@ -547,7 +550,7 @@ class DataGossip(Callback):
             self.bytes_sent += _wire_bytes(payload, self._world_size)
         # Once every rank got here, no rank has a call left on the data group: release it.
         dist.barrier(group=self._control_group)
-        dist.destroy_process_group(self._data_group)
+        destroy_group(self._data_group)
         self._data_group = None
 
     # ------------------------------------------------------------------ checkpoints

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dist.comm.groups import destroy_group
 from lightning_dist.comm.stats import CommStats
 
 
@@ -44,12 +45,29 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+        self._group = group
+        self._closed = False
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
         if self.world_size != dist.get_world_size():
             raise ValueError("Communicator needs a process group that holds every rank")
         self.stats = CommStats()
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        if self._closed:
+            raise RuntimeError("this Communicator is closed: its process group was destroyed")
+        return self._group
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Destroy the process group (not a collective); the counters stay readable."""
+        if not self._closed:
+            destroy_group(self._group)
+            self._closed = True
 
     def all_gather(self, tensor: Tensor, purpose: str) -> Tensor:
         """Every rank's ``tensor``, stacked along a new first dimension in rank order."""

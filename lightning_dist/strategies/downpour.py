@@ -27,11 +27,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import Tensor
 
 from lightning_dist.algorithms.parameter_server import GlobalModel, accumulated_update, check_max_staleness
-from lightning_dist.comm import CommStats, Communicator
+from lightning_dist.comm import CommStats, Communicator, new_group
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 from lightning_dist.strategies.parameter_server import SERVER_RANK, ParameterServer, ParameterServerClient
 
@@ -94,7 +93,9 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         # Gloo whatever the model's backend: the server receives from any rank, which NCCL cannot.
-        self._ps_comm = Communicator(dist.new_group(backend="gloo"))
+        if self._ps_comm is not None:
+            self._ps_comm.close()
+        self._ps_comm = Communicator(new_group(backend="gloo"))
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -185,9 +186,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             self._server.abort(f"rank {SERVER_RANK} stopped with {type(exception).__name__}: {exception}")
             self._server.close(timeout=30.0)
         super().on_exception(exception)
-        if _distributed_is_initialized() and self._ps_comm is not None and self._ps_comm.group is not None:
-            dist.destroy_process_group(self._ps_comm.group)
-            self._ps_comm = None
+        if self._ps_comm is not None:
+            self._ps_comm.close()
 
     # ------------------------------------------------------------------ counters and state
 

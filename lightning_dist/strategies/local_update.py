@@ -28,7 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -37,7 +36,7 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
-from lightning_dist.comm import CommStats, Communicator
+from lightning_dist.comm import CommStats, Communicator, new_group
 from lightning_dist.model_vector import ModelVector
 
 CHECKPOINT_KEY = "lightning_dist"
@@ -109,8 +108,11 @@ class LocalUpdateStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        # A group of our own: Lightning issues its own collectives on WORLD.
-        self._comm = Communicator(dist.new_group(backend=self._get_process_group_backend()))
+        # A group of our own: Lightning issues its own collectives on WORLD. The previous fit's
+        # group stays usable until here (e.g. for ``trainer.save_checkpoint`` after ``fit``).
+        if self._comm is not None:
+            self._comm.close()
+        self._comm = Communicator(new_group(backend=self._get_process_group_backend()))
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -276,9 +278,8 @@ class LocalUpdateStrategy(DDPStrategy):
         # Other ranks may be blocked in a collective with us; tear the group down so they fail
         # fast instead of waiting for the timeout.
         super().on_exception(exception)
-        if _distributed_is_initialized() and self._comm is not None and self._comm.group is not None:
-            dist.destroy_process_group(self._comm.group)
-            self._comm = None
+        if self._comm is not None:
+            self._comm.close()
 
     def _is_fitting(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -1,0 +1,44 @@
+"""Process groups that lightning_dist creates, and their orderly destruction.
+
+A Gloo process group still alive when the interpreter finalizes can abort the process at exit
+("terminate called without an active exception", pytorch/pytorch#190489): its worker threads
+outlive the interpreter. Lightning does not destroy the default group after ``fit``, and the
+strategies and callbacks here add groups of their own, so every group is created through
+:func:`new_group`, which makes sure all groups are destroyed while the interpreter is still
+alive. Nothing can use a process group once the interpreter is exiting, so this never takes
+a group away from code that still needs it.
+"""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
+
+_destroy_registered = False
+
+
+def new_group(backend: str | None = None, timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """``dist.new_group()`` over every rank (a collective), destroyed at exit at the latest."""
+    global _destroy_registered
+    if not _destroy_registered:
+        atexit.register(_destroy_all_groups)
+        _destroy_registered = True
+    return dist.new_group(backend=backend, timeout=timeout)
+
+
+def destroy_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy ``group`` if it still exists (not a collective).
+
+    Destroying the default group destroys every other group too, so a group may be gone
+    already; that is not an error.
+    """
+    if group is not None and dist.is_initialized() and group in _world.pg_map:
+        dist.destroy_process_group(group)
+
+
+def _destroy_all_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,43 @@
+"""Process groups made by lightning_dist are destroyed in order, and a closed Communicator refuses use."""
+
+import atexit
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dist.comm import Communicator, destroy_group, new_group
+from lightning_dist.comm import groups
+
+
+@pytest.fixture
+def one_rank_world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_close_destroys_the_group_and_keeps_the_counters(one_rank_world):
+    comm = Communicator(new_group(backend="gloo"))
+    comm.stats.record("protocol", 12, 1)
+    group = comm.group
+    comm.close()
+    assert comm.closed and comm.stats.bytes_sent == 12
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.all_reduce_sum_(torch.ones(3), purpose="protocol")
+    with pytest.raises(ValueError, match="Invalid process group"):
+        dist.destroy_process_group(group)  # really gone
+    comm.close()  # idempotent
+    destroy_group(group)  # a group that is gone already is not an error
+
+
+def test_every_group_is_destroyed_at_exit(one_rank_world, monkeypatch):
+    registered = []
+    monkeypatch.setattr(groups, "_destroy_registered", False)
+    monkeypatch.setattr(atexit, "register", registered.append)
+    new_group(backend="gloo")
+    new_group(backend="gloo")
+    assert registered == [groups._destroy_all_groups]  # once, however many groups
+    registered[0]()
+    assert not dist.is_initialized()
