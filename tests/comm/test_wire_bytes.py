@@ -30,7 +30,8 @@ def test_counted_bytes_match_loopback_traffic(tmp_path, world_size):
                             capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     measured = json.loads((tmp_path / "wire.json").read_text())
-    for operation, numbers in measured.items():
-        # The wire also carries TCP/IP headers (loopback MTU 64 KiB) and barrier messages: a few percent at most.
-        ratio = numbers["wire"] / numbers["counted"]
-        assert 1.0 <= ratio < 1.03, f"{operation}: wire {numbers['wire']} vs counted {numbers['counted']}"
+    for operation, windows in measured.items():
+        # Headers are taken off per packet, and the window with the fewest resent packets counts;
+        # Gloo's framing and the barriers' messages remain (< 1%).
+        ratios = [window["wire"] / window["counted"] for window in windows]
+        assert 0.999 <= min(ratios) < 1.01, f"{operation}: wire / counted = {ratios} ({windows})"
