@@ -54,18 +54,22 @@ TASK: dict[str, Any] = {
     "dataset": "digits",
     "data": {"batch_size": 10, "partition": "iid", "val_fraction": 0.3, "eval_batch_size": 600},
     "model": {"hidden_size": 64, "learning_rate": 0.3, "momentum": 0.0},
-    "epochs": 60,
-    "seed": 0,
+    "epochs": 100,
 }
 # One validation accuracy point is 5.4 examples, and the accuracy of a single epoch moves by about
 # a point from one epoch to the next; runs are compared on the mean over the last epochs.
 SCORE_EPOCHS = 5
-PERIODS = [1, 5, 10, 20, 50]
+SEEDS = 3
+PERIODS = [1, 5, 20, 50]
 FEDAVG = {"period": 10, "client_fraction": 0.5}
 CHECK_EVERY = 10
 # ||f_i - r||^2 after 10 local steps is about 0.15 to 10 (10th to 90th percentile) on this task (see the probe
 # columns of averaging.json), so 1 is violated often and 8 rarely.
-THRESHOLDS = [1.0, 2.0, 4.0, 8.0]
+THRESHOLDS = [2.0, 4.0, 8.0, 16.0]
+# Paper 004's point is that dynamic averaging goes quiet once the replicas stop drifting apart,
+# while periodic averaging pays at the same rate to the end: the comparison is also scored on
+# the first epochs of the same runs, to show how the byte ratio grows with training length.
+HORIZONS = [20, 40, 60, 80, 100]
 # Concept drift: the same task, labels y -> (y + 1) mod 10 from epoch DRIFT_AT on.
 DRIFT_EPOCHS = 100
 DRIFT_AT = 50
@@ -79,29 +83,33 @@ TARGET_RATIO = 10.0
 def comparison_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     periods = [10, 50] if args.quick else PERIODS
     thresholds = args.thresholds or ([1.0, 8.0] if args.quick else THRESHOLDS)
-    runs = [
-        {"name": f"periodic_b{period}", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": period}}}
+    settings = [
+        {"setting": f"periodic_b{period}",
+         "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": period}}}
         for period in periods
     ]
-    runs.append({
-        "name": f"fedavg_c{FEDAVG['client_fraction']}_b{FEDAVG['period']}",
+    settings.append({
+        "setting": f"fedavg_c{FEDAVG['client_fraction']}_b{FEDAVG['period']}",
         "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": dict(FEDAVG)},
     })
-    runs += [
+    settings += [
         {
-            "name": f"dynamic_d{threshold:g}",
+            "setting": f"dynamic_d{threshold:g}",
             "strategy": {"class": "DynamicAveragingStrategy",
                          "kwargs": {"divergence_threshold": threshold, "check_every": args.check_every}},
             "probe": True,
         }
         for threshold in thresholds
     ]
-    return runs
+    seeds = 1 if args.quick else args.seeds
+    return [{**setting, "name": f"{setting['setting']}_s{seed}", "seed": seed}
+            for seed in range(seeds) for setting in settings]
 
 
 def task(args: argparse.Namespace, epochs: int) -> dict[str, Any]:
     spec = {key: value for key, value in TASK.items() if key != "epochs"}
     spec["epochs"] = epochs
+    spec.setdefault("seed", 0)
     return spec
 
 
@@ -115,9 +123,10 @@ def run_all(runs: list[dict[str, Any]], base: dict[str, Any], args: argparse.Nam
         except RunFailed as exc:
             print("FAILED")
             print(exc, file=sys.stderr)
-            results.append({"name": spec["name"], "strategy": run["strategy"]["class"],
-                            "params": run["strategy"]["kwargs"], "error": str(exc)})
+            results.append({"name": spec["name"], "setting": spec.get("setting", spec["name"]),
+                            "strategy": run["strategy"]["class"], "params": run["strategy"]["kwargs"], "error": str(exc)})
             continue
+        result["setting"] = spec.get("setting", spec["name"])
         print(f"acc {score(result):.4f}, protocol {result['protocol_bytes'] / 1e6:.2f} MB, "
               f"{result['launch_s']:.0f} s (fit {result['fit_s']:.0f} s)", flush=True)
         results.append(result)
@@ -127,10 +136,15 @@ def run_all(runs: list[dict[str, Any]], base: dict[str, Any], args: argparse.Nam
 # ---------------------------------------------------------------- comparison
 
 
-def score(result: dict[str, Any]) -> float:
-    """Mean validation accuracy of the averaged model over the last ``SCORE_EPOCHS`` epochs."""
-    last = [epoch["val_acc"] for epoch in result["curve"][-SCORE_EPOCHS:]]
+def score(result: dict[str, Any], epochs: int | None = None) -> float:
+    """Mean validation accuracy of the averaged model over the last ``SCORE_EPOCHS`` of the first ``epochs`` epochs."""
+    last = [epoch["val_acc"] for epoch in result["curve"][:epochs][-SCORE_EPOCHS:]]
     return sum(last) / len(last)
+
+
+def protocol_bytes(result: dict[str, Any], epochs: int | None = None) -> int:
+    """Protocol bytes summed over ranks by the end of epoch ``epochs`` (by the end of training if None)."""
+    return result["curve"][:epochs][-1]["protocol_bytes"] if epochs is not None else result["protocol_bytes"]
 
 
 def kind(result: dict[str, Any]) -> str:
@@ -139,36 +153,74 @@ def kind(result: dict[str, Any]) -> str:
     return "fedavg" if result["params"].get("client_fraction", 1.0) < 1 else "periodic"
 
 
-def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [r for r in results if "error" not in r]
-    periodic = [r for r in ok if kind(r) == "periodic"]
+def by_setting(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Finished runs grouped by setting (one run per seed), in the order they ran."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        if "error" not in result:
+            groups.setdefault(result["setting"], []).append(result)
+    return groups
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _std(values: list[float]) -> float:
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+
+
+def compare(results: list[dict[str, Any]], epochs: int | None = None) -> dict[str, Any]:
+    """Every setting against the most accurate periodic setting, on means over seeds, after ``epochs`` epochs."""
+    groups = by_setting(results)
+    rows = []
+    for name, runs in groups.items():
+        scores = [score(r, epochs) for r in runs]
+        rows.append({
+            "setting": name, "kind": kind(runs[0]), "params": runs[0]["params"], "seeds": [r["seed"] for r in runs],
+            "score": _mean(scores), "score_std": _std(scores),
+            "protocol_bytes": _mean([protocol_bytes(r, epochs) for r in runs]),
+            "syncs": _mean([r["syncs"] for r in runs]) if epochs is None else None,
+        })
+    periodic = [row for row in rows if row["kind"] == "periodic"]
     if not periodic:
         return {"error": "no periodic run finished"}
-    # Best by score (mean accuracy of the last epochs); among equal scores the cheaper one.
-    best = max(periodic, key=lambda r: (score(r), -r["protocol_bytes"]))
-    rows = []
-    for r in ok:
-        diff = 100.0 * (score(r) - score(best))
-        ratio = best["protocol_bytes"] / r["protocol_bytes"] if r["protocol_bytes"] else math.inf
-        rows.append({
-            "name": r["name"], "kind": kind(r), "params": r["params"],
-            "final_val_acc": r["final_val_acc"], "score": score(r), "acc_diff_points": diff,
-            "protocol_bytes": r["protocol_bytes"], "byte_ratio": ratio,
-            "meets_target": kind(r) == "dynamic" and diff >= -TARGET_POINTS and ratio >= TARGET_RATIO,
-        })
+    # Best by score; among equal scores the cheaper one.
+    best = max(periodic, key=lambda row: (row["score"], -row["protocol_bytes"]))
+    for row in rows:
+        row["acc_diff_points"] = 100.0 * (row["score"] - best["score"])
+        row["byte_ratio"] = best["protocol_bytes"] / row["protocol_bytes"] if row["protocol_bytes"] else math.inf
+        row["meets_target"] = (row["kind"] == "dynamic" and row["acc_diff_points"] >= -TARGET_POINTS
+                               and row["byte_ratio"] >= TARGET_RATIO)
+    within = [row for row in rows if row["kind"] == "dynamic" and row["acc_diff_points"] >= -TARGET_POINTS]
     return {
-        "best_periodic": {"name": best["name"], "params": best["params"], "final_val_acc": best["final_val_acc"],
-                          "score": score(best),
-                          "protocol_bytes": best["protocol_bytes"]},
+        "epochs": epochs if epochs is not None else "all",
+        "best_periodic": {key: best[key] for key in ("setting", "params", "score", "score_std", "protocol_bytes")},
+        "best_dynamic_within_target_points": max(within, key=lambda row: row["byte_ratio"])["setting"] if within else None,
+        "best_byte_ratio_within_target_points": max((row["byte_ratio"] for row in within), default=None),
+        "settings": rows,
+        "target_met_by": [row["setting"] for row in rows if row["meets_target"]],
+    }
+
+
+def summarize(results: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
+    final = compare(results)
+    if "error" in final:
+        return final
+    horizons = [h for h in HORIZONS if h < epochs]
+    return {
+        **final,
         "target": f"a dynamic setting within {TARGET_POINTS:g} accuracy point of the best periodic setting "
-                  f"with at least {TARGET_RATIO:g}x fewer protocol bytes",
-        "byte_ratio_definition": "best periodic protocol bytes / this run's protocol bytes",
-        "score_definition": f"mean val_acc of the averaged model over the last {SCORE_EPOCHS} epochs",
-        "acc_diff_definition": "100 * (this run's score - best periodic score)",
-        "runs": rows,
-        "dynamic": [row for row in rows if row["kind"] == "dynamic"],
-        "target_met_by": [row["name"] for row in rows if row["meets_target"]],
-        "calibration": {r["name"]: calibration(r) for r in ok if kind(r) == "dynamic"},
+                  f"with at least {TARGET_RATIO:g}x fewer protocol bytes (means over seeds)",
+        "byte_ratio_definition": "best periodic setting's mean protocol bytes / this setting's",
+        "score_definition": f"mean over seeds of the mean val_acc of the averaged model over the last {SCORE_EPOCHS} epochs",
+        "acc_diff_definition": "100 * (this setting's score - best periodic score)",
+        "by_training_length": [
+            {key: value for key, value in compare(results, h).items() if key != "settings"} for h in horizons
+        ],
+        "calibration": {r["setting"]: calibration(r) for r in results if "error" not in r and kind(r) == "dynamic"
+                        and r["seed"] == 0},
     }
 
 
@@ -194,24 +246,25 @@ def describe(params: dict[str, Any]) -> str:
     return " ".join(f"{short.get(key, key)}={value:g}" for key, value in params.items())
 
 
-def table(results: list[dict[str, Any]], summary: dict[str, Any]) -> str:
-    by_name = {row["name"]: row for row in summary.get("runs", [])}
-    header = (f"{'run':<22} {'strategy':<9} {'params':<20} {'acc last5':>9} {'d pts':>6} {'protocol MB':>12} "
-              f"{'total MB':>10} {'syncs':>6} {'ratio':>7}")
+def table(summary: dict[str, Any]) -> str:
+    header = (f"{'setting':<20} {'strategy':<9} {'params':<20} {'acc last5':>9} {'+-':>6} {'d pts':>6} "
+              f"{'protocol MB':>12} {'syncs':>7} {'ratio':>7}")
     lines = [header, "-" * len(header)]
-    for r in results:
-        if "error" in r:
-            lines.append(f"{r['name']:<22} FAILED")
-            continue
-        row = by_name[r["name"]]
+    for row in summary.get("settings", []):
         lines.append(
-            f"{r['name']:<22} {row['kind']:<9} {describe(r['params']):<20} {score(r):>9.4f} "
-            f"{row['acc_diff_points']:>+6.2f} {r['protocol_bytes'] / 1e6:>12.2f} {r['bytes_sent'] / 1e6:>10.2f} "
-            f"{r['syncs']:>6d} {row['byte_ratio']:>6.1f}x"
+            f"{row['setting']:<20} {row['kind']:<9} {describe(row['params']):<20} {row['score']:>9.4f} "
+            f"{row['score_std']:>6.4f} {row['acc_diff_points']:>+6.2f} {row['protocol_bytes'] / 1e6:>12.2f} "
+            f"{row['syncs']:>7.1f} {row['byte_ratio']:>6.1f}x"
         )
     if "best_periodic" in summary:
-        lines.append(f"ratio = protocol bytes of the best periodic run ({summary['best_periodic']['name']}) / this "
-                     "run's; d pts = accuracy difference to it in points")
+        lines.append(f"means over seeds {summary['settings'][0]['seeds']}; ratio = protocol bytes of the best periodic "
+                     f"setting ({summary['best_periodic']['setting']}) / this setting's; d pts = accuracy difference "
+                     "to it in points; +- = standard deviation over seeds")
+    for horizon in summary.get("by_training_length", []):
+        ratio = horizon["best_byte_ratio_within_target_points"]
+        lines.append(f"after {horizon['epochs']:>3} epochs: best periodic {horizon['best_periodic']['setting']} "
+                     f"({horizon['best_periodic']['score']:.4f}); best dynamic within {TARGET_POINTS:g} point: "
+                     + (f"{horizon['best_dynamic_within_target_points']} at {ratio:.1f}x fewer bytes" if ratio else "none"))
     return "\n".join(lines)
 
 
@@ -221,26 +274,32 @@ def plot_comparison(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in results if "error" not in r]
+    groups = by_setting(results)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     colors = {"periodic": plt.cm.Blues, "dynamic": plt.cm.Reds, "fedavg": plt.cm.Greens}
-    counts = {k: sum(1 for r in ok if kind(r) == k) for k in colors}
+    counts = {k: sum(1 for runs in groups.values() if kind(runs[0]) == k) for k in colors}
     seen = {k: 0 for k in colors}
     markers = {"periodic": "o", "dynamic": "s", "fedavg": "^"}
-    for r in ok:
-        k = kind(r)
+    for name, runs in groups.items():
+        k = kind(runs[0])
         seen[k] += 1
         color = colors[k](0.35 + 0.6 * seen[k] / max(counts[k], 1))
-        points = [(e["protocol_bytes"], e["val_acc"]) for e in r["curve"] if e["protocol_bytes"] > 0]
+        # The mean over seeds of each epoch's cumulative bytes and accuracy.
+        length = min(len(r["curve"]) for r in runs)
+        points = [(_mean([r["curve"][e]["protocol_bytes"] for r in runs]), _mean([r["curve"][e]["val_acc"] for r in runs]))
+                  for e in range(length)]
+        points = [(x, y) for x, y in points if x > 0]
         if not points:
             continue
         xs, ys = zip(*points)
-        label = f"{k} {describe(r['params'])}: {score(r):.3f}, {r['protocol_bytes'] / 1e6:.1f} MB"
+        label = (f"{k} {describe(runs[0]['params'])}: {_mean([score(r) for r in runs]):.3f}, "
+                 f"{_mean([r['protocol_bytes'] for r in runs]) / 1e6:.1f} MB")
         ax.plot(xs, ys, color=color, linewidth=1.4, label=label)
         ax.plot(xs[-1], ys[-1], marker=markers[k], color=color, markersize=8, markeredgecolor="black")
     ax.set_xscale("log")
-    ax.set_xlabel("cumulative protocol bytes (summed over ranks)")
-    ax.set_ylabel("validation accuracy of the averaged model")
+    ax.set_xlabel("cumulative protocol bytes (summed over ranks, mean over seeds)")
+    ax.set_ylabel("validation accuracy of the averaged model (mean over seeds)")
+    ok = [r for r in results if "error" not in r]
     world = ok[0]["world_size"] if ok else "?"
     ax.set_title(f"digits, {world} ranks: accuracy vs communication (marker = end of training)")
     ax.grid(True, which="both", alpha=0.3)
@@ -337,7 +396,7 @@ def replot(out: Path) -> int:
     if comparison.exists():
         report = json.loads(comparison.read_text())
         plot_comparison(report["runs"], out / "averaging.png")
-        print(table(report["runs"], report["summary"]))
+        print(table(report["summary"]))
     if drift.exists():
         report = json.loads(drift.read_text())
         plot_drift(report["runs"], report["config"]["drift_at"], out / "drift.png")
@@ -353,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None, help=f"epochs of the comparison (default {TASK['epochs']})")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output folder")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run: fewer runs and epochs")
+    parser.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per setting (default {SEEDS})")
     parser.add_argument("--thresholds", type=float, nargs="+", default=None, help="dynamic divergence thresholds")
     parser.add_argument("--check-every", type=int, default=CHECK_EVERY, help="steps between dynamic checks")
     parser.add_argument("--no-drift", action="store_true", help="skip the concept-drift part")
@@ -385,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"comparison: {len(runs)} runs, {args.ranks} ranks, {epochs} epochs, task {json.dumps(base)}")
         t0 = time.perf_counter()
         results = run_all(runs, base, args)
-        summary = summarize(results)
+        summary = summarize(results, epochs)
         report = {"config": {**base, "ranks": args.ranks, "check_every": args.check_every, **environment,
                              "wall_s": time.perf_counter() - t0},
                   "summary": summary, "runs": results}
@@ -398,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{part['p50']:.3g}" for part in cal["parts"])
                       + f" (max {max(part['max'] for part in cal['parts']):.3g})")
         print()
-        print(table(results, summary))
+        print(table(summary))
         if "target_met_by" in summary:
             met = summary["target_met_by"]
             print(f"target ({summary['target']}): " + (f"met by {', '.join(met)}" if met else "NOT met"))
