@@ -32,6 +32,6 @@ def test_counted_bytes_match_loopback_traffic(tmp_path, world_size):
     measured = json.loads((tmp_path / "wire.json").read_text())
     for operation, windows in measured.items():
         # Headers are taken off per packet, and the window with the fewest resent packets counts;
-        # Gloo's framing and the barriers' messages remain (< 1%).
+        # Gloo's framing, the barriers' messages and an occasional resent 64 KiB segment remain (< 2%).
         ratios = [window["wire"] / window["counted"] for window in windows]
-        assert 0.999 <= min(ratios) < 1.01, f"{operation}: wire / counted = {ratios} ({windows})"
+        assert 0.999 <= min(ratios) < 1.02, f"{operation}: wire / counted = {ratios} ({windows})"
