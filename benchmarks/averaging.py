@@ -108,6 +108,7 @@ def comparison_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def task(args: argparse.Namespace, epochs: int) -> dict[str, Any]:
     spec = {key: value for key, value in TASK.items() if key != "epochs"}
+    spec["data"] = {**TASK["data"], "partition": args.partition}
     spec["epochs"] = epochs
     spec.setdefault("seed", 0)
     return spec
@@ -414,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run: fewer runs and epochs")
     parser.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per setting (default {SEEDS})")
     parser.add_argument("--thresholds", type=float, nargs="+", default=None, help="dynamic divergence thresholds")
+    parser.add_argument("--partition", default=TASK["data"]["partition"],
+                        help=f"training split over ranks (default {TASK['data']['partition']}; 'iid' is a fixed part per rank)")
     parser.add_argument("--check-every", type=int, default=CHECK_EVERY, help="steps between dynamic checks")
     parser.add_argument("--no-drift", action="store_true", help="skip the concept-drift part")
     parser.add_argument("--drift-only", action="store_true", help="run only the concept-drift part")

@@ -2,7 +2,8 @@
 
 They are sized for running many distributed-training experiments on CPUs. Training batches come from
 a :class:`~lightning_dist.data.sampler.PartitionSampler`, so the partition scheme (iid, class-sorted,
-Dirichlet) is a datamodule argument; with ``example_order`` ("balanced" for the CDGraB callback,
+Dirichlet) is a datamodule argument; ``partition="reshuffled"`` keeps no fixed split and draws a new
+random one every epoch (torch's ``DistributedSampler``); with ``example_order`` ("balanced" for the CDGraB callback,
 "random" for D-RR) they come from a :class:`~lightning_dist.data.CDGraBSampler` instead; validation and test loaders are plain sequential loaders that
 Lightning shards itself. ``set_label_permutation`` relabels all splits in place, for concept-drift
 experiments that change the task mid-training.
@@ -26,12 +27,20 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_dist.data._checks import check_int, check_positive_float
 from lightning_dist.data.cdgrab_sampler import ORDERS, CDGraBSampler
 from lightning_dist.data.partition import PARTITIONS
 from lightning_dist.data.sampler import PartitionSampler
+
+RESHUFFLED = "reshuffled"
+"""``partition`` value for no fixed split: every epoch the whole training set is shuffled anew and
+dealt out to the ranks (what Lightning's own ``DistributedSampler`` does under DDP). Over the epochs
+every rank sees every example, so each rank's examples are a fresh iid draw from the whole set, the
+streaming setting of paper 004 (Kamp et al., section 2: each learner observes samples drawn iid from
+one distribution). With a fixed part a local model can fit its own few examples and stop moving
+while the average of such models is not fitted to the whole set."""
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """``(train_features, train_labels, val_features, val_labels)``."""
@@ -89,8 +98,8 @@ class ArrayDataModule(L.LightningDataModule, ABC):
                 )
         self.example_order = example_order
         self.batch_size = check_int("batch_size", batch_size, 1)
-        if partition not in PARTITIONS:
-            raise ValueError(f"partition must be one of {PARTITIONS}; got {partition!r}")
+        if partition not in (*PARTITIONS, RESHUFFLED):
+            raise ValueError(f"partition must be one of {(*PARTITIONS, RESHUFFLED)}; got {partition!r}")
         self.partition = partition
         self.dirichlet_alpha = check_positive_float("dirichlet_alpha", dirichlet_alpha)
         self.seed = check_int("seed", seed, 0)
@@ -141,6 +150,12 @@ class ArrayDataModule(L.LightningDataModule, ABC):
         if self.example_order is not None:
             sampler: Sampler = CDGraBSampler(
                 train_set, self.batch_size, num_replicas, rank, order=self.example_order, seed=self.seed
+            )
+            return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
+        if self.partition == RESHUFFLED:
+            # drop_last: every rank takes the same number of steps (see PartitionSampler).
+            sampler = DistributedSampler(
+                train_set, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=True
             )
             return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
         sampler = PartitionSampler(

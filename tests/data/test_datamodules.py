@@ -61,6 +61,29 @@ def test_train_loader_uses_the_trainers_rank(digits):
     assert (sampler.num_replicas, sampler.rank, len(sampler)) == (4, 2, len(digits.train_set) // 4)
 
 
+def test_reshuffled_split_deals_out_a_new_disjoint_split_every_epoch():
+    datamodule = DigitsDataModule(batch_size=16, partition="reshuffled", seed=0)
+    datamodule.setup("fit")
+    world_size = 4
+    per_epoch = []
+    for epoch in range(2):
+        parts = []
+        for rank in range(world_size):
+            datamodule.trainer = SimpleNamespace(world_size=world_size, global_rank=rank)
+            loader = datamodule.train_dataloader()
+            loader.sampler.set_epoch(epoch)
+            parts.append(set(loader.sampler))
+        per_epoch.append(parts)
+    datamodule.trainer = None
+    for parts in per_epoch:
+        # equal sizes (every rank takes the same number of steps), disjoint, nearly the whole set
+        assert {len(part) for part in parts} == {len(datamodule.train_set) // world_size}
+        assert len(set().union(*parts)) == sum(len(part) for part in parts)
+    # a rank's examples change from one epoch to the next: no rank is stuck with a fixed part
+    for rank in range(world_size):
+        assert per_epoch[0][rank] != per_epoch[1][rank]
+
+
 def test_eval_loaders_are_sequential_and_complete(digits):
     assert torch.equal(all_labels(digits.val_dataloader()), digits.val_set.labels)
     assert torch.equal(all_labels(digits.test_dataloader()), digits.val_set.labels)
