@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 from lightning_dist.algorithms.balancing import PairBalancer
 from lightning_dist.algorithms.projection import CountSketch
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
-from lightning_dist.callbacks._per_example import PerExampleGradients, PerExampleLoss
+from lightning_dist.callbacks._per_example import METHODS as GRADIENT_METHODS
+from lightning_dist.callbacks._per_example import GradientFunction, PerExampleLoss, make_per_example_gradients
 from lightning_dist.comm import Communicator, destroy_group, new_group
 from lightning_dist.comm.communicator import PendingGather
 from lightning_dist.data.cdgrab_sampler import CDGraBSampler
@@ -31,7 +32,8 @@ class CDGraB(Callback):
     """Order each rank's examples for the next epoch by online pair balancing of their gradients (paper 003).
 
     Every training step, on every rank, this callback computes the per-example gradients of the
-    batch (``torch.func``: vmap over grad, at the weights the step starts from), takes the
+    batch (``torch.func``: vmap over grad, at the weights the step starts from; see
+    ``per_example_gradients`` for a faster path), takes the
     differences of consecutive examples ``(0, 1), (2, 3), ...``, all-gathers them, and runs the
     same online pair balancing (:mod:`lightning_dist.algorithms.balancing`) on every rank: one
     running sum over all ranks' differences, pair-major then rank. At the end of the epoch each
@@ -62,6 +64,12 @@ class CDGraB(Callback):
             models. ``None`` (default, as the reference code): full gradients. ``>= 1``.
         mode: ``"coordinated"`` (CD-GraB) or ``"independent"`` (ID-GraB).
         loss_fn: ``loss_fn(module, batch) -> Tensor[batch_size]``; default ``module.per_example_loss``.
+        per_example_gradients: how per-example gradients are computed. ``"auto"`` (default): when
+            every trainable parameter belongs to an ``nn.Linear``, from one batched forward and a
+            backward to the layers' outputs (``g_i x_i^T`` per example; exact, and several times
+            cheaper than vmap on small models), after checking on the first batch of each fit that
+            it agrees with torch.func (a warning and torch.func otherwise); torch.func for any other
+            model. ``"vmap"``: always torch.func (vmap over grad).
         seed: seeds the projection.
         timeout: timeout of the callback's process group.
 
@@ -95,6 +103,7 @@ class CDGraB(Callback):
         projection_dim: Optional[int] = None,
         mode: str = "coordinated",
         loss_fn: Optional[PerExampleLoss] = None,
+        per_example_gradients: str = "auto",
         seed: int = 0,
         timeout: timedelta = default_pg_timeout,
     ) -> None:
@@ -106,9 +115,12 @@ class CDGraB(Callback):
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(module, batch); got {loss_fn!r}")
+        if per_example_gradients not in GRADIENT_METHODS:
+            raise ValueError(f"per_example_gradients must be one of {GRADIENT_METHODS}; got {per_example_gradients!r}")
         self.projection_dim = projection_dim
         self.mode = mode
         self.loss_fn = loss_fn
+        self.per_example_gradients = per_example_gradients
         self.seed = seed
         self.timeout = timeout
         self.bytes_sent = 0
@@ -118,7 +130,7 @@ class CDGraB(Callback):
         self._control_group: Optional[dist.ProcessGroup] = None
         self._loader_hook: Optional[TrainLoaderHook] = None
         self._sampler: Optional[CDGraBSampler] = None
-        self._gradients: Optional[PerExampleGradients] = None
+        self._gradients: Optional[GradientFunction] = None
         self._projection: Optional[CountSketch] = None
         self._balancer: Optional[PairBalancer] = None
         self._first_non_finite: Optional[Tensor] = None  # per balanced rank: step of its first non-finite gradient
@@ -159,7 +171,7 @@ class CDGraB(Callback):
                     f"on {type(pl_module).__name__}, or pass CDGraB(loss_fn=...) with loss_fn(module, batch)"
                 )
             loss_fn = _module_per_example_loss
-        self._gradients = PerExampleGradients(pl_module, loss_fn)
+        self._gradients = make_per_example_gradients(pl_module, loss_fn, self.per_example_gradients)
         distributed = dist.is_available() and dist.is_initialized()
         self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         if distributed:

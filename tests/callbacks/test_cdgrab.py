@@ -175,6 +175,7 @@ def test_different_batch_sizes_and_non_finite_gradients_stop_every_rank_with_a_c
         (dict(projection_dim=2.5), "projection_dim"),
         (dict(mode="central"), "mode must be one of"),
         (dict(loss_fn="mean"), "loss_fn must be callable"),
+        (dict(per_example_gradients="hooks"), "per_example_gradients must be one of"),
     ],
 )
 def test_bad_arguments_name_the_parameter(kwargs, message):

@@ -1,10 +1,14 @@
-"""Per-example gradients (torch.func) against a plain autograd loop."""
+"""Per-example gradients: torch.func against a plain autograd loop, and the linear-layer path against torch.func."""
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_dist.callbacks._per_example import PerExampleGradients
+from lightning_dist.callbacks._per_example import (
+    LinearPerExampleGradients,
+    PerExampleGradients,
+    make_per_example_gradients,
+)
 from lightning_dist.models import MLPClassifier
 
 
@@ -47,3 +51,87 @@ def test_bad_batches_and_losses_are_explained():
         scalar_loss((torch.ones(2, 3),))
     with pytest.raises(ValueError, match="no trainable parameters"):
         PerExampleGradients(nn.Linear(3, 1).requires_grad_(False), lambda m, b: m(b[0]).view(-1))
+
+
+class _TwiceApplied(nn.Module):
+    """One linear layer applied at two sequence positions' features and again to its own output: calls add up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1, bias=False)
+
+    def forward(self, x):  # x: (batch, positions, 4)
+        return self.head(self.layer(torch.tanh(self.layer(x)))).sum(dim=(1, 2))
+
+
+class _TiedWeights(nn.Module):
+    """The head reuses the first layer's weight outside that layer's forward: the layer hooks cannot see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return nn.functional.linear(torch.tanh(self.layer(x)), self.layer.weight).sum(dim=1)
+
+
+def test_linear_layers_give_torch_funcs_gradients_without_touching_grad():
+    torch.manual_seed(0)
+    model = MLPClassifier(num_features=8, num_classes=3, hidden_size=5)
+    model.net[0].bias.requires_grad_(False)
+    batch = (torch.randn(6, 8), torch.randint(3, (6,)))
+    expected = PerExampleGradients(model, _loss)(batch)
+    fast = LinearPerExampleGradients(model, _loss)
+    assert fast.num_parameters == expected.shape[1]
+    assert torch.allclose(fast(batch), expected, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_linear_layers_called_several_times_and_on_sequences_add_up():
+    torch.manual_seed(0)
+    model = _TwiceApplied()
+    x = torch.randn(5, 7, 4)
+    loss = lambda m, b: m(b)  # noqa: E731
+    assert torch.allclose(LinearPerExampleGradients(model, loss)(x), PerExampleGradients(model, loss)(x), atol=1e-5)
+
+
+def test_only_models_of_linear_layers_are_supported():
+    assert LinearPerExampleGradients.supports(MLPClassifier(num_features=4, num_classes=2, hidden_size=3))
+    assert not LinearPerExampleGradients.supports(nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(4, 1)))
+    # a frozen non-linear layer does not matter: it has no gradient to compute
+    assert LinearPerExampleGradients.supports(nn.Sequential(nn.LayerNorm(3).requires_grad_(False), nn.Linear(3, 1)))
+    assert not LinearPerExampleGradients.supports(nn.Linear(3, 1).requires_grad_(False))
+    with pytest.raises(ValueError, match="nn.Linear"):
+        LinearPerExampleGradients(nn.Conv1d(1, 1, 2), lambda m, b: m(b).sum(dim=(1, 2)))
+
+
+def test_auto_uses_the_linear_path_only_after_it_matched_torch_func():
+    torch.manual_seed(0)
+    model = MLPClassifier(num_features=8, num_classes=3, hidden_size=5)
+    batch = (torch.randn(4, 8), torch.randint(3, (4,)))
+    gradients = make_per_example_gradients(model, _loss)
+    first = gradients(batch)
+    assert isinstance(gradients.method, LinearPerExampleGradients)
+    assert torch.allclose(gradients(batch), first, atol=1e-6)
+    assert isinstance(make_per_example_gradients(model, _loss, "vmap"), PerExampleGradients)
+    assert isinstance(make_per_example_gradients(nn.Conv1d(1, 1, 2), lambda m, b: m(b).sum(dim=(1, 2))), PerExampleGradients)
+
+
+def test_auto_falls_back_to_torch_func_when_the_layers_miss_a_use_of_a_weight():
+    torch.manual_seed(0)
+    model = _TiedWeights()
+    loss = lambda m, b: m(b)  # noqa: E731
+    x = torch.randn(4, 3)
+    expected = PerExampleGradients(model, loss)(x)
+    assert not torch.allclose(LinearPerExampleGradients(model, loss)(x), expected, atol=1e-4)
+    gradients = make_per_example_gradients(model, loss)
+    with pytest.warns(UserWarning, match="differ from torch.func"):
+        first = gradients(x)
+    assert isinstance(gradients.method, PerExampleGradients)
+    assert torch.allclose(first, expected) and torch.allclose(gradients(x), expected)
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="method must be one of"):
+        make_per_example_gradients(nn.Linear(2, 1), lambda m, b: m(b).view(-1), "hooks")
