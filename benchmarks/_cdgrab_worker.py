@@ -29,8 +29,8 @@ Per epoch, rank 0 records (``curve``):
   counts), on rank 0; every rank's times come in ``per_rank``;
 - ``cdgrab_s``: seconds spent in CD-GraB's per-step hook this epoch (``cdgrab/seconds``), and
   the parts, timed by wrapping the callback's objects (no library change): ``grad_s`` (the
-  ``torch.func`` vmap over grad), ``gather_s`` (the all-gather of the differences on the training
-  thread; for the background gather its launch and ``gather_wait_s``, the wait before balancing)
+  per-example gradients), ``gather_s`` (the gather of the differences to rank 0 on the training
+  thread: its launch and ``gather_wait_s``, the wait before balancing)
   and ``balance_s`` (the sequential online pair balancing). The last step's wait and balancing
   happen in ``on_train_epoch_end``: in these parts and the epoch time, not in ``cdgrab_s``.
   ``cdgrab_bytes``: the differences' bytes this rank sent; ``running_sum_norm``.
@@ -157,9 +157,9 @@ def evaluate_classifier(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, 
 class Timers:
     """Seconds on the training thread per part of the callback's step, and the largest buffer of each kind.
 
-    ``gather_s`` is all the time the all-gather takes on the training thread: the whole synchronous
-    ``all_gather``, or for the background gather (``start_all_gather``) its launch plus the
-    ``wait()`` before the differences are balanced (``gather_wait_s``, also counted in ``gather_s``).
+    ``gather_s`` is all the time the background gather (``start_gather``) takes on the training
+    thread: its launch plus the ``wait()`` before the differences are balanced (``gather_wait_s``,
+    also counted in ``gather_s``).
     """
 
     def __init__(self) -> None:
@@ -181,7 +181,7 @@ class Timers:
         return timed
 
     def wrap_start(self, start_gather: Callable[..., Any]) -> Callable[..., Any]:
-        """``start_all_gather`` timed, returning a pending gather whose ``wait()`` is timed too."""
+        """``start_gather`` timed, returning a pending gather whose ``wait()`` is timed too."""
         timers = self
 
         class TimedPending:
@@ -194,7 +194,8 @@ class Timers:
                 elapsed = time.perf_counter() - begin
                 timers.seconds["gather_s"] += elapsed
                 timers.seconds["gather_wait_s"] += elapsed
-                timers.record_size("gathered_differences", result)
+                if result is not None:  # on the order server only
+                    timers.record_size("gathered_differences", result)
                 return result
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -234,11 +235,7 @@ class TimedCDGraB(CDGraB):
             return
         self._gradients = _TimedGradients(self._gradients, self.timers)
         if self._comm is not None:
-            # The callback gathers with start_all_gather (background, since the library's commit e242e4a)
-            # or all_gather (synchronous, before it): time whichever it calls.
-            self._comm.all_gather = self.timers.wrap(self._comm.all_gather, "gather_s", "gathered_differences")
-            if hasattr(self._comm, "start_all_gather"):
-                self._comm.start_all_gather = self.timers.wrap_start(self._comm.start_all_gather)
+            self._comm.start_gather = self.timers.wrap_start(self._comm.start_gather)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._balancer is not None and not self._balancer_wrapped:  # created when the train loader is set up

@@ -124,8 +124,8 @@ class PairBalancer:
     :meth:`start_epoch` resets the sum for the next epoch (the reference code zeroes it at every
     epoch; no stale mean is carried over, which is the point of pair balancing).
 
-    ``ranks = m`` is CD-GraB's coordinated balancer (the order server, replayed identically on every
-    rank); ``ranks = 1`` on each rank's own differences is ID-GraB's independent one.
+    ``ranks = m`` is CD-GraB's coordinated balancer (run by the order server, rank 0, in the
+    callback); ``ranks = 1`` on each rank's own differences is ID-GraB's independent one.
 
     Args:
         ranks: ranks whose differences share the running sum, ``>= 1``.

@@ -25,6 +25,8 @@ from lightning_dist.comm.communicator import PendingGather
 from lightning_dist.data.cdgrab_sampler import CDGraBSampler
 
 MODES = ("coordinated", "independent")
+# The rank that balances for all (paper 003's order server).
+ORDER_SERVER = 0
 _STATE_FORMAT = 1
 
 
@@ -33,12 +35,12 @@ class CDGraB(Callback):
 
     Every training step, on every rank, this callback computes the per-example gradients of the
     batch (``torch.func``: vmap over grad, at the weights the step starts from; see
-    ``per_example_gradients`` for a faster path), takes the
-    differences of consecutive examples ``(0, 1), (2, 3), ...``, all-gathers them, and runs the
-    same online pair balancing (:mod:`lightning_dist.algorithms.balancing`) on every rank: one
-    running sum over all ranks' differences, pair-major then rank. At the end of the epoch each
-    rank's signs give its next order (front list, then reversed back list), which goes to its
-    :class:`~lightning_dist.data.CDGraBSampler`. Epoch 0 reads a seeded random order.
+    ``per_example_gradients`` for a faster path), takes the differences of consecutive examples
+    ``(0, 1), (2, 3), ...``, and gathers them on rank 0, the order server of paper 003, which runs
+    online pair balancing (:mod:`lightning_dist.algorithms.balancing`): one running sum over all
+    ranks' differences, pair-major then rank. At the end of the epoch the server broadcasts the
+    signs; each rank's signs give its next order (front list, then reversed back list), which goes
+    to its :class:`~lightning_dist.data.CDGraBSampler`. Epoch 0 reads a seeded random order.
 
     Use with ``strategy="ddp"`` (the paper's setting; Gloo or NCCL) or any strategy whose ranks
     step together, and a ``CDGraBSampler(order="balanced")`` in the train loader::
@@ -60,7 +62,7 @@ class CDGraB(Callback):
     Args:
         projection_dim: if set, gradients are first projected to this many dimensions by a
             count sketch (:class:`~lightning_dist.algorithms.projection.CountSketch`, seeded, the
-            same on every rank): fewer bytes per all-gather and a smaller running sum, for large
+            same on every rank): fewer bytes per gather and a smaller running sum, for large
             models. ``None`` (default, as the reference code): full gradients. ``>= 1``.
         mode: ``"coordinated"`` (CD-GraB) or ``"independent"`` (ID-GraB).
         loss_fn: ``loss_fn(module, batch) -> Tensor[batch_size]``; default ``module.per_example_loss``.
@@ -79,21 +81,25 @@ class CDGraB(Callback):
     rank); every epoch reads the whole sampler (no ``limit_train_batches`` below 1). The sampler
     drops the remainder of the dataset (logged with the number of examples dropped).
 
-    Costs per step: one ``vmap(grad)`` over the batch (about one more forward and backward), one
-    all-gather of ``batch_size / 2`` difference vectors of ``d`` floats (``d`` = trainable
-    parameters or ``projection_dim``), and ``world_size * batch_size / 2`` sequential dot products.
-    The all-gather runs in the background during the step and is balanced at the start of the
-    next one (or at the epoch's end): the order is needed only for the next epoch.
-    Memory: the gradients of a batch, the gathered differences and one running sum of ``d``.
+    Costs per step: the per-example gradients (one ``vmap(grad)`` over the batch, about one more
+    forward and backward, or less, see ``per_example_gradients``), one gather to rank 0 of
+    ``batch_size / 2`` difference vectors of ``d`` floats from every other rank (``d`` =
+    trainable parameters or ``projection_dim``; an all-gather, which would let every rank
+    balance, moves ``world_size`` times more), and on rank 0 ``world_size * batch_size / 2``
+    sequential dot products. The gather runs in the background during the step and is balanced
+    at the start of the next one (or at the epoch's end): the order is needed only for the next
+    epoch. Per epoch: three broadcasts from rank 0 (the signs, ``world_size * examples / 2``
+    bytes; the running sum; counters). Memory: the gradients of a batch, on rank 0 the gathered
+    differences, one running sum of ``d``.
 
     Metrics, logged after every epoch through the Trainer's loggers (this rank's values):
-    ``cdgrab/bytes_sent`` (difference bytes this rank sent, all-gather count as in
-    :mod:`lightning_dist.comm`), ``cdgrab/seconds`` (time spent in the callback's step hook),
+    ``cdgrab/bytes_sent`` (bytes this rank sent: differences, and on rank 0 the broadcasts, counted
+    as in :mod:`lightning_dist.comm`), ``cdgrab/seconds`` (time spent in the callback's step hook),
     ``cdgrab/running_sum_norm`` (the 2-norm of the running sum at the end of the epoch: what the
     balancing keeps small).
 
-    Checkpoints: the state holds every rank's current order, position in the epoch, signs and
-    running sum (gathered to rank 0, which writes the file). Resuming at an epoch end or in the
+    Checkpoints: the state holds every rank's current order and position in the epoch, and the
+    order server's signs and running sum (gathered to rank 0, which writes the file). Resuming at an epoch end or in the
     middle of an epoch (the sampler skips the examples already read) continues with the same
     orders as the uninterrupted run.
     """
@@ -138,7 +144,7 @@ class CDGraB(Callback):
         self._balanced_epoch = 0
         self._balanced_permutation: Optional[Tensor] = None
         self._loaded_state: Optional[dict[str, Any]] = None
-        # The all-gather of this rank's last differences, with their step, balanced at the next step.
+        # The gather of this rank's last differences, with their step, balanced at the next step.
         self._pending: Optional[tuple[PendingGather, int]] = None
 
     @property
@@ -245,24 +251,43 @@ class CDGraB(Callback):
         if self._projection is not None:
             gradients = self._projection(gradients)
         differences = gradients[0::2] - gradients[1::2]  # (pairs, d)
-        # Balance the previous step's differences (their all-gather had a whole step to arrive),
+        # Balance the previous step's differences (their gather had a whole step to arrive),
         # then send this step's. The order only matters at the epoch's end.
         self._balance_pending()
         if self.coordinated and self._comm is not None:
             before = self._comm.stats.bytes_sent
-            self._pending = (self._comm.start_all_gather(differences, purpose="protocol"), trainer.global_step)
+            self._pending = (self._comm.start_gather(differences, ORDER_SERVER, "protocol"), trainer.global_step)
             self.bytes_sent += self._comm.stats.bytes_sent - before
         else:
             self._balance(differences.unsqueeze(1), trainer.global_step)
         self.seconds += time.perf_counter() - start
 
     def _balance_pending(self) -> None:
-        """Wait for the all-gather in flight, if any, and balance what it brought."""
+        """Wait for the gather in flight, if any; the order server balances what it brought."""
         if self._pending is None:
             return
         pending, step = self._pending
         self._pending = None
-        self._balance(pending.wait().transpose(0, 1), step)  # (ranks, pairs, d) -> pair-major
+        gathered = pending.wait()
+        if gathered is not None:
+            self._balance(gathered.transpose(0, 1), step)  # (ranks, pairs, d) -> pair-major
+
+    def _sync_from_server(self) -> None:
+        """Give every rank the order server's balancer state (broadcasts; a collective).
+
+        Each rank's next order, the non-finite check and the checkpoint read it. Other ranks'
+        balancers are not stepped during the epoch.
+        """
+        if self._comm is None or not self.coordinated:
+            return
+        assert self._balancer is not None and self._first_non_finite is not None
+        before = self._comm.stats.bytes_sent
+        counters = torch.cat([self._first_non_finite.new_tensor([self._balancer.pairs_done]), self._first_non_finite])
+        for tensor in (self._balancer.signs, self._balancer.running_sum, counters):
+            self._comm.broadcast_(tensor, ORDER_SERVER, "protocol")
+        self._balancer.pairs_done = int(counters[0])
+        self._first_non_finite = counters[1:].clone()
+        self.bytes_sent += self._comm.stats.bytes_sent - before
 
     def _balance(self, differences: Tensor, step: int) -> None:
         """Feed ``(pairs, ranks, d)`` differences of ``step`` to the balancer."""
@@ -278,6 +303,7 @@ class CDGraB(Callback):
         if self._balancer is None or self._sampler is None:
             return
         self._balance_pending()
+        self._sync_from_server()
         self._raise_if_non_finite()
         self._install_next_order()
         for logger in trainer.loggers:
@@ -340,8 +366,9 @@ class CDGraB(Callback):
         """This rank's part of the checkpoint: its sampler's order and position, the balancer, the counters."""
         if self._sampler is None or self._balancer is None:
             return {}
-        # Every rank issued the all-gather in flight before any rank reached this hook.
+        # Every rank issued the gather in flight before any rank reached this hook.
         self._balance_pending()
+        self._sync_from_server()
         return {
             "epoch": self._balanced_epoch,
             "permutation": self._balanced_permutation.clone(),

@@ -4,7 +4,7 @@ Counting rule: a rank records the payload bytes it puts on the wire (headers exc
 Point-to-point sends are exact. For collectives the totals summed over ranks are the volumes
 of the bandwidth-optimal algorithms Gloo and NCCL use for large tensors: a broadcast delivers the
 tensor once to each of the ``m - 1`` other ranks, an all-gather delivers each rank's tensor to
-the ``m - 1`` others, a ring all-reduce moves ``2 (m - 1) / m`` of the tensor per rank.
+the ``m - 1`` others, a gather delivers each other rank's tensor once to the destination, a ring all-reduce moves ``2 (m - 1) / m`` of the tensor per rank.
 ``tests/comm/test_wire_bytes.py`` checks these counts against loopback traffic.
 """
 
@@ -25,13 +25,13 @@ def _nbytes(tensor: Tensor) -> int:
 
 
 class PendingGather:
-    """An all-gather in flight: :meth:`wait` returns every rank's tensor, stacked in rank order."""
+    """A gather in flight: :meth:`wait` returns every rank's tensor stacked in rank order (None off the destination)."""
 
-    def __init__(self, work: dist.Work, gathered: Tensor) -> None:
+    def __init__(self, work: dist.Work, gathered: Tensor | None) -> None:
         self._work = work
         self._gathered = gathered
 
-    def wait(self) -> Tensor:
+    def wait(self) -> Tensor | None:
         self._work.wait()
         return self._gathered
 
@@ -76,16 +76,19 @@ class Communicator:
         self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
         return torch.stack(gathered)
 
-    def start_all_gather(self, tensor: Tensor, purpose: str) -> PendingGather:
-        """Start :meth:`all_gather` without waiting for it; ``.wait()`` on the result gives the stack.
+    def start_gather(self, tensor: Tensor, dst: int, purpose: str) -> PendingGather:
+        """Start gathering every rank's ``tensor`` on ``dst`` without waiting; ``.wait()`` on the result gives the stack.
 
         The collective runs in the backend's own threads (Gloo) or stream (NCCL) while the caller
-        goes on computing; ``tensor`` must not change until then.
+        goes on computing; ``tensor`` must not change until then. Counted at the senders: each of
+        the ``m - 1`` other ranks sends its tensor once.
         """
         tensor = tensor.contiguous()
-        gathered = tensor.new_empty(self.world_size, *tensor.shape)
-        work = dist.all_gather(list(gathered.unbind(0)), tensor, group=self.group, async_op=True)
-        self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
+        gathered = tensor.new_empty(self.world_size, *tensor.shape) if self.rank == dst else None
+        outputs = list(gathered.unbind(0)) if gathered is not None else None
+        work = dist.gather(tensor, outputs, dst=dst, group=self.group, async_op=True)
+        if self.rank != dst:
+            self.stats.record(purpose, _nbytes(tensor), 1)
         return PendingGather(work, gathered)
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:

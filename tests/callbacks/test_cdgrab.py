@@ -97,10 +97,14 @@ def test_next_epochs_order_is_front_list_then_reversed_back_list(coordinated):
     assert not torch.equal(firsts[0], firsts[1])
 
 
-def test_bytes_are_every_steps_differences_to_every_other_rank(coordinated):
-    steps = 3 * STEPS_PER_EPOCH
-    for result in coordinated:
-        assert result["bytes_sent"] == steps * (RANKS - 1) * (BATCH // 2) * NUM_PARAMETERS * 4
+def test_bytes_are_every_steps_differences_to_the_order_server_and_its_broadcasts(coordinated):
+    epochs = 3
+    differences = epochs * STEPS_PER_EPOCH * (BATCH // 2) * NUM_PARAMETERS * 4
+    # per epoch, to each other rank: the signs (int8), the running sum (float32), pairs done and
+    # the first non-finite step per rank (int64)
+    broadcasts = epochs * (RANKS - 1) * ((PER_RANK // 2) * RANKS + NUM_PARAMETERS * 4 + (1 + RANKS) * 8)
+    for rank, result in enumerate(coordinated):
+        assert result["bytes_sent"] == (broadcasts if rank == 0 else differences)
         assert result["metrics"]["cdgrab/bytes_sent"] == result["bytes_sent"]
 
 
@@ -151,8 +155,14 @@ def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, uninterrupted, 
         first = b["epochs"][0]
         assert first["batches_match"] and first["epoch"] == stop_step // RESUME_STEPS_PER_EPOCH
         assert torch.equal(first["permutation"], a["epochs"][first["epoch"]]["permutation"])
-        # Projected differences: 32 floats per pair, counted over the whole run (restored counter).
-        assert b["bytes_sent"] == a["bytes_sent"] == total_steps * (RESUME_RANKS - 1) * (BATCH // 2) * 32 * 4
+    # Counted over the whole run (restored counter). Rank 1 sent projected differences, 32 floats
+    # per pair; rank 0, the order server, only its broadcasts, one round per epoch end and per
+    # checkpoint (the uninterrupted run wrote more checkpoints).
+    assert resumed[1]["bytes_sent"] == full[1]["bytes_sent"] == total_steps * (BATCH // 2) * 32 * 4
+    pairs = RESUME_STEPS_PER_EPOCH * BATCH // 2
+    round_bytes = pairs * RESUME_RANKS + 32 * 4 + (1 + RESUME_RANKS) * 8
+    for result in (full[0], resumed[0]):
+        assert result["bytes_sent"] > 0 and result["bytes_sent"] % round_bytes == 0
 
 
 def test_different_batch_sizes_and_non_finite_gradients_stop_every_rank_with_a_clear_error(tmp_path):

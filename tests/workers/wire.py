@@ -47,6 +47,10 @@ def measure(comm: Communicator, operation: str, tensor: torch.Tensor) -> dict[st
             comm.all_gather(tensor, "protocol")
         elif operation == "broadcast":
             comm.broadcast_(tensor.clone(), 0, "protocol")
+        elif operation == "gather":
+            gathered = comm.start_gather(tensor, 0, "protocol").wait()
+            if rank == 0:
+                assert gathered.shape == (world_size, *tensor.shape) and gathered[:, 0].tolist() == list(range(world_size))
         elif rank == 0:
             comm.send(tensor, list(range(1, world_size)), "protocol")
         else:
@@ -64,7 +68,7 @@ def main() -> None:
     comm = Communicator(dist.new_group(backend="gloo"))
     tensor = torch.full((ELEMENTS,), float(comm.rank))
     measured: dict[str, list[dict[str, int]]] = {}
-    for operation in ("all_reduce", "all_gather", "broadcast", "send"):
+    for operation in ("all_reduce", "all_gather", "broadcast", "gather", "send"):
         measured[operation] = [measure(comm, operation, tensor) for _ in range(WINDOWS)]
     if comm.rank == 0:
         Path(spec["out"], "wire.json").write_text(json.dumps(measured))
