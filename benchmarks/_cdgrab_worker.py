@@ -33,7 +33,8 @@ Per epoch, rank 0 records (``curve``):
   thread: its launch and ``gather_wait_s``, the wait before balancing)
   and ``balance_s`` (the sequential online pair balancing). The last step's wait and balancing
   happen in ``on_train_epoch_end``: in these parts and the epoch time, not in ``cdgrab_s``.
-  ``cdgrab_bytes``: the differences' bytes this rank sent; ``running_sum_norm``.
+  ``cdgrab_bytes``: the bytes this rank sent (differences to the order server; the server's
+  broadcasts); ``running_sum_norm``.
 
 Memory (``memory``): peak RSS (``ru_maxrss``) of every rank before and after fit, and the sizes of
 the callback's buffers as actually allocated: the per-example gradient matrix, the gathered
@@ -369,6 +370,7 @@ def fit_one(spec: dict[str, Any], arrays: tuple[np.ndarray, ...]) -> dict[str, A
     local = {
         "epoch_s": [e["epoch_s"] for e in recorder.epochs if e["epoch"] >= 0],
         "cdgrab_s": [e["cdgrab_s"] for e in recorder.epochs if e["epoch"] >= 0],
+        "cdgrab_bytes": [e["cdgrab_bytes"] for e in recorder.epochs if e["epoch"] >= 0],
         "peak_rss_mib": peak_rss_mib(),
         "fit_s": fit_s,
     }

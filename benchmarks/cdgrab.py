@@ -37,7 +37,7 @@ Outputs (``--out``, default ``benchmarks/results``): ``cdgrab.json``, ``cdgrab.p
 
 Usage::
 
-    python benchmarks/cdgrab.py                       # sweep + compare + overhead (about 16.5 min on 2 cores)
+    python benchmarks/cdgrab.py                       # sweep + compare + overhead (about 22 min on 2 cores)
     python benchmarks/cdgrab.py --sections compare    # rerun one section; the others stay in the JSON
     python benchmarks/cdgrab.py --quick               # smoke run (one launch, 2 epochs; writes under runs/quick)
     python benchmarks/cdgrab.py --replot              # recompute summary, tables and figure from the JSON
@@ -159,6 +159,18 @@ def steady_mean(run: dict[str, Any], key: str) -> float:
     return statistics.fmean(e.get(key, 0.0) for e in steady)
 
 
+def bytes_per_epoch_per_rank(runs: list[dict[str, Any]]) -> float:
+    """Bytes the callback sent per epoch (epochs 1..), averaged over ranks and runs.
+
+    The order server (rank 0) sends only its broadcasts and the other ranks their differences, so
+    rank 0 alone is not representative.
+    """
+    return statistics.fmean(
+        statistics.fmean(statistics.fmean(rank["cdgrab_bytes"][1:] or rank["cdgrab_bytes"]) for rank in run["per_rank"])
+        for run in runs
+    )
+
+
 def sweep_score(run: dict[str, Any]) -> float:
     return statistics.fmean(e["train_loss"] for e in trained_epochs(run)[-SWEEP_LAST:])
 
@@ -222,7 +234,7 @@ def summarize_compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "callback_share_of_epoch": parts["cdgrab_s"] / epoch_s["mean"] if epoch_s["mean"] else math.nan,
                 "callback_ms_per_step": {key: 1000 * value / steps for key, value in parts.items()
                                          if key != "cdgrab_bytes"},
-                "bytes_sent_per_epoch_per_rank": parts["cdgrab_bytes"],
+                "bytes_sent_per_epoch_per_rank": bytes_per_epoch_per_rank(rs),
                 "peak_rss_mib": {"first_fit_max": max(first_fit), "first_fit_mean": statistics.fmean(first_fit),
                                  "first_fit_seed": first["seed"],
                                  "launch_max": max(memory["peak_rss_mib"]),
@@ -360,7 +372,7 @@ def method_table(s: dict[str, Any]) -> str:
     digits = 5 if "optimum" in s else 4
     lines = ["| method | final full-train loss | final test loss | final test acc | epoch s | vs D-RR | "
              "step ms (+ vs D-RR) | callback ms/step: hook (grad / gather [wait] / balance) | hook share of epoch | "
-             "KB sent/epoch/rank | "
+             "KB sent/epoch/rank (mean over ranks) | "
              "peak RSS MiB, 1 fit / 3 fits |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = s["methods"]["drr"]["epoch_s"]["mean"]
