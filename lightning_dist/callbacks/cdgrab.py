@@ -99,9 +99,9 @@ class CDGraB(Callback):
     balancing keeps small).
 
     Checkpoints: the state holds every rank's current order and position in the epoch, and the
-    order server's signs and running sum (gathered to rank 0, which writes the file). Resuming at an epoch end or in the
-    middle of an epoch (the sampler skips the examples already read) continues with the same
-    orders as the uninterrupted run.
+    order server's signs and running sum (gathered to rank 0, which writes the file). Resuming at
+    an epoch end or in the middle of an epoch (the sampler skips the examples already read)
+    continues with the same orders as the uninterrupted run.
     """
 
     def __init__(

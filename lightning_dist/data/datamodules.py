@@ -3,10 +3,11 @@
 They are sized for running many distributed-training experiments on CPUs. Training batches come from
 a :class:`~lightning_dist.data.sampler.PartitionSampler`, so the partition scheme (iid, class-sorted,
 Dirichlet) is a datamodule argument; ``partition="reshuffled"`` keeps no fixed split and draws a new
-random one every epoch (torch's ``DistributedSampler``); with ``example_order`` ("balanced" for the CDGraB callback,
-"random" for D-RR) they come from a :class:`~lightning_dist.data.CDGraBSampler` instead; validation and test loaders are plain sequential loaders that
-Lightning shards itself. ``set_label_permutation`` relabels all splits in place, for concept-drift
-experiments that change the task mid-training.
+random one every epoch (torch's ``DistributedSampler``); with ``example_order`` ("balanced" for the
+CDGraB callback, "random" for D-RR) they come from a :class:`~lightning_dist.data.CDGraBSampler`
+instead. Validation and test loaders are plain sequential loaders that Lightning shards itself.
+``set_label_permutation`` relabels all splits in place, for concept-drift experiments that change
+the task mid-training.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ every rank sees every example, so each rank's examples are a fresh iid draw from
 streaming setting of paper 004 (Kamp et al., section 2: each learner observes samples drawn iid from
 one distribution). With a fixed part a local model can fit its own few examples and stop moving
 while the average of such models is not fitted to the whole set."""
+
+TRAIN_SPLITS = (*PARTITIONS, RESHUFFLED)
+"""Accepted ``partition`` values: the fixed partitions, and ``reshuffled``."""
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """``(train_features, train_labels, val_features, val_labels)``."""
@@ -98,8 +102,8 @@ class ArrayDataModule(L.LightningDataModule, ABC):
                 )
         self.example_order = example_order
         self.batch_size = check_int("batch_size", batch_size, 1)
-        if partition not in (*PARTITIONS, RESHUFFLED):
-            raise ValueError(f"partition must be one of {(*PARTITIONS, RESHUFFLED)}; got {partition!r}")
+        if partition not in TRAIN_SPLITS:
+            raise ValueError(f"partition must be one of {TRAIN_SPLITS}; got {partition!r}")
         self.partition = partition
         self.dirichlet_alpha = check_positive_float("dirichlet_alpha", dirichlet_alpha)
         self.seed = check_int("seed", seed, 0)
@@ -147,28 +151,28 @@ class ArrayDataModule(L.LightningDataModule, ABC):
         train_set = self._require_setup(self.train_set)
         trainer = self.trainer
         num_replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler: Sampler
         if self.example_order is not None:
-            sampler: Sampler = CDGraBSampler(
+            sampler = CDGraBSampler(
                 train_set, self.batch_size, num_replicas, rank, order=self.example_order, seed=self.seed
             )
-            return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
-        if self.partition == RESHUFFLED:
+        elif self.partition == RESHUFFLED:
             # drop_last: every rank takes the same number of steps (see PartitionSampler).
             sampler = DistributedSampler(
                 train_set, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=True
             )
-            return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
-        sampler = PartitionSampler(
-            train_set,
-            train_set.labels.numpy(),
-            num_replicas,
-            rank,
-            partition=self.partition,
-            dirichlet_alpha=self.dirichlet_alpha,
-            seed=self.seed,
-            shuffle=True,
-        )
-        return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, drop_last=False, num_workers=0)
+        else:
+            sampler = PartitionSampler(
+                train_set,
+                train_set.labels.numpy(),
+                num_replicas,
+                rank,
+                partition=self.partition,
+                dirichlet_alpha=self.dirichlet_alpha,
+                seed=self.seed,
+                shuffle=True,
+            )
+        return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._require_setup(self.val_set), batch_size=self.batch_size, num_workers=0)
