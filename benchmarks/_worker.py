@@ -7,8 +7,9 @@ Usage (normally through ``benchmarks/averaging.py``)::
 
 ``spec.json`` holds ``name``, ``strategy`` (``{"class": ..., "kwargs": {...}}``), ``data``
 (the datamodule's arguments), ``model`` (MLPClassifier arguments), ``epochs``, ``seed``,
-``out`` (the JSON file to write), ``dataset`` (``"mnist1d"``, the default, or ``"digits"``), and optionally ``drift`` (``{"epoch": E, "permutation": [...]}``:
-from the start of epoch ``E`` every split returns ``permutation[y]``) and ``probe`` (record, on
+``out`` (the JSON file to write), ``dataset`` (``"mnist1d"``, the default, or ``"digits"``), and optionally ``drift`` (a list of
+``{"epoch": E, "permutation": [...]}``: from the start of epoch ``E`` every split returns
+``permutation[y]``, until the next entry's epoch) and ``probe`` (record, on
 every rank, the squared distance ``||f_i - r||^2`` that dynamic averaging tests at each check,
 before the check acts; used to calibrate the divergence thresholds).
 
@@ -91,14 +92,14 @@ class EpochRecorder(Callback):
 
 
 class LabelDrift(Callback):
-    """From the start of ``epoch``, relabel every split through ``permutation`` (on every rank)."""
+    """Concept drift: from the start of each scheduled epoch, relabel every split through that entry's permutation (on every rank)."""
 
-    def __init__(self, epoch: int, permutation: list[int]) -> None:
-        self.epoch, self.permutation = epoch, permutation
+    def __init__(self, schedule: list[dict[str, Any]]) -> None:
+        self.permutations = {int(entry["epoch"]): entry["permutation"] for entry in schedule}
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.current_epoch == self.epoch:
-            trainer.datamodule.set_label_permutation(self.permutation)
+        if trainer.current_epoch in self.permutations:
+            trainer.datamodule.set_label_permutation(self.permutations[trainer.current_epoch])
 
 
 def probe_class(base: type) -> type:
@@ -131,7 +132,7 @@ def main() -> None:
     recorder = EpochRecorder()
     callbacks: list[Callback] = [recorder]
     if spec.get("drift"):
-        callbacks.append(LabelDrift(spec["drift"]["epoch"], spec["drift"]["permutation"]))
+        callbacks.append(LabelDrift(spec["drift"]))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
