@@ -7,10 +7,10 @@ Usage (normally through ``benchmarks/averaging.py``)::
 
 ``spec.json`` holds ``name``, ``strategy`` (``{"class": ..., "kwargs": {...}}``), ``data``
 (the datamodule's arguments), ``model`` (MLPClassifier arguments), ``epochs``, ``seed``,
-``out`` (the JSON file to write), ``dataset`` (``"mnist1d"``, the default, or ``"digits"``), and optionally ``drift`` (a list of
-``{"epoch": E, "permutation": [...]}``: from the start of epoch ``E`` every split returns
-``permutation[y]``, until the next entry's epoch) and ``probe`` (record, on
-every rank, the squared distance ``||f_i - r||^2`` that dynamic averaging tests at each check,
+``out`` (the JSON file to write), ``dataset`` (``"mnist1d"``, the default, or ``"digits"``), and
+optionally ``drift`` (a list of ``{"epoch": E, "permutation": [...]}``: from the start of epoch
+``E`` every split returns ``permutation[y]``, until the next entry's epoch) and ``probe`` (record,
+on every rank, the squared distance ``||f_i - r||^2`` that dynamic averaging tests at each check,
 before the check acts; used to calibrate the divergence thresholds).
 
 Per epoch, rank 0 records the validation accuracy of the averaged model (``val_acc``) and the
@@ -92,7 +92,8 @@ class EpochRecorder(Callback):
 
 
 class LabelDrift(Callback):
-    """Concept drift: from the start of each scheduled epoch, relabel every split through that entry's permutation (on every rank)."""
+    """Concept drift: from the start of each scheduled epoch, relabel every split (on every rank) through that
+    entry's permutation."""
 
     def __init__(self, schedule: list[dict[str, Any]]) -> None:
         self.permutations = {int(entry["epoch"]): entry["permutation"] for entry in schedule}

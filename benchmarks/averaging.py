@@ -97,9 +97,10 @@ TARGET_POINTS = 1.0
 TARGET_RATIO = 10.0
 
 
-def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace,
+def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace, prefix: str = "",
           **extra: Any) -> list[dict[str, Any]]:
-    """Periodic settings, FedAvg and dynamic settings, each once per seed (``extra`` joins every spec)."""
+    """Periodic settings, FedAvg and dynamic settings, each once per seed; run names start with ``prefix`` and
+    ``extra`` joins every spec."""
     settings = [
         {"setting": f"periodic_b{period}",
          "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": period}}}
@@ -119,7 +120,6 @@ def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace,
         for threshold in thresholds
     ]
     seeds = 1 if args.quick else args.seeds
-    prefix = "drift_" if "drift" in extra else ""
     return [{**setting, **extra, "name": f"{prefix}{setting['setting']}_s{seed}", "seed": seed}
             for seed in range(seeds) for setting in settings]
 
@@ -237,17 +237,20 @@ def compare(results: list[dict[str, Any]], epochs: int | None = None,
         row["meets_target"] = (row["kind"] == "dynamic" and row["acc_diff_points"] >= -TARGET_POINTS
                                and row["byte_ratio"] >= TARGET_RATIO)
     within = [row for row in rows if row["kind"] == "dynamic" and row["acc_diff_points"] >= -TARGET_POINTS]
-    pick = lambda row: {key: row[key] for key in ("setting", "params", "score", "score_std", "protocol_bytes")}  # noqa: E731
     return {
         "epochs": epochs if epochs is not None else "all",
-        "best_periodic": pick(best),
-        "cheapest_periodic_within_target_points": pick(adequate),
+        "best_periodic": _headline(best),
+        "cheapest_periodic_within_target_points": _headline(adequate),
         "best_dynamic_within_target_points": max(within, key=lambda row: row["byte_ratio"])["setting"] if within else None,
         "best_byte_ratio_within_target_points": max((row["byte_ratio"] for row in within), default=None),
         "best_byte_ratio_vs_cheapest_within": max((row["byte_ratio_vs_cheapest_within"] for row in within), default=None),
         "settings": rows,
         "target_met_by": [row["setting"] for row in rows if row["meets_target"]],
     }
+
+
+def _headline(row: dict[str, Any]) -> dict[str, Any]:
+    return {key: row[key] for key in ("setting", "params", "score", "score_std", "protocol_bytes")}
 
 
 TARGET = (f"a dynamic setting within {TARGET_POINTS:g} accuracy point of the best periodic setting "
@@ -273,9 +276,14 @@ def summarize(results: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
         "by_training_length": [
             {key: value for key, value in compare(results, h).items() if key != "settings"} for h in horizons
         ],
-        "calibration": {r["setting"]: calibration(r) for r in results if "error" not in r and kind(r) == "dynamic"
-                        and r["seed"] == 0},
+        "calibration": calibrations(results),
     }
+
+
+def calibrations(results: list[dict[str, Any]], parts: int = 6) -> dict[str, Any]:
+    """``calibration`` of every dynamic setting's seed-0 run."""
+    return {r["setting"]: calibration(r, parts) for r in results
+            if "error" not in r and kind(r) == "dynamic" and r["seed"] == 0}
 
 
 def calibration(result: dict[str, Any], parts: int = 6) -> dict[str, Any] | None:
@@ -384,7 +392,7 @@ def drift_schedule(epochs: int, every: int) -> list[dict[str, Any]]:
 def drift_runs(args: argparse.Namespace, schedule: list[dict[str, Any]]) -> list[dict[str, Any]]:
     periods = [10, 50] if args.quick else DRIFT_PERIODS
     thresholds = args.drift_thresholds or ([4.0, 64.0] if args.quick else DRIFT_THRESHOLDS)
-    return sweep(periods, thresholds, args, drift=schedule)
+    return sweep(periods, thresholds, args, prefix="drift_", drift=schedule)
 
 
 def per_epoch_bytes(curve: list[dict[str, Any]]) -> list[int]:
@@ -399,20 +407,32 @@ def mean_per_epoch(runs: list[dict[str, Any]], field: str) -> list[float]:
     return [_mean([values[epoch] for values in series]) for epoch in range(length)]
 
 
+def concepts(starts: list[int], epochs: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` epochs of each concept, given the epochs at which a new one starts."""
+    bounds = [0] + starts + [epochs]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def concept_window(starts: list[int], epochs: int) -> int:
+    """Epochs at the start and at the end of each concept that the drift summary compares: 5, or fewer when a
+    concept is shorter."""
+    return min([5] + [hi - lo for lo, hi in concepts(starts, epochs)])
+
+
 def concept_phases(runs: list[dict[str, Any]], starts: list[int], window: int) -> list[dict[str, Any]]:
     """Per concept: mean protocol bytes per epoch (over seeds) in its first and last ``window`` epochs."""
     per_epoch = mean_per_epoch(runs, "bytes")
-    bounds = [0] + starts + [len(per_epoch)]
     return [{"epochs": [lo, hi - 1],
              "first": _mean(per_epoch[lo:lo + window]),
-             "last": _mean(per_epoch[hi - window:hi])} for lo, hi in zip(bounds[:-1], bounds[1:])]
+             "last": _mean(per_epoch[hi - window:hi])} for lo, hi in concepts(starts, len(per_epoch))]
 
 
-def summarize_drift(results: list[dict[str, Any]], starts: list[int], window: int) -> dict[str, Any]:
+def summarize_drift(results: list[dict[str, Any]], starts: list[int], epochs: int) -> dict[str, Any]:
     stream = compare(results, scorer=stream_score)
     if "error" in stream:
         return stream
     final = compare(results)
+    window = concept_window(starts, epochs)
     return {
         **stream,
         "target": TARGET,
@@ -422,10 +442,10 @@ def summarize_drift(results: list[dict[str, Any]], starts: list[int], window: in
         "final_accuracy_per_setting": {row["setting"]: {"score": row["score"], "score_std": row["score_std"]}
                                        for row in final["settings"]},
         "drift_epochs": starts,
+        "concept_window_epochs": window,
         "protocol_bytes_per_epoch_by_concept": {name: concept_phases(runs, starts, window)
                                                 for name, runs in by_setting(results).items()},
-        "calibration": {r["setting"]: calibration(r, parts=len(starts) + 1) for r in results
-                        if "error" not in r and kind(r) == "dynamic" and r["seed"] == 0},
+        "calibration": calibrations(results, parts=len(starts) + 1),
     }
 
 
@@ -433,8 +453,8 @@ def drift_table(summary: dict[str, Any]) -> str:
     lines = [table(summary, score_name="acc mean")]
     final = summary["final_accuracy_per_setting"]
     lines.append("")
-    lines.append("final accuracy (last 5 epochs, mean over seeds) and protocol MB per epoch, first / last "
-                 "5 epochs of each concept (mean over seeds):")
+    lines.append(f"final accuracy (last {SCORE_EPOCHS} epochs, mean over seeds) and protocol MB per epoch, first / "
+                 f"last {summary['concept_window_epochs']} epochs of each concept (mean over seeds):")
     for row in summary["settings"]:
         phases = summary["protocol_bytes_per_epoch_by_concept"][row["setting"]]
         lines.append(f"{row['setting']:<20} {final[row['setting']]['score']:.4f}   "
@@ -442,9 +462,10 @@ def drift_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_drift(results: list[dict[str, Any]], summary: dict[str, Any], path: Path, window: int) -> None:
-    """Protocol MB per epoch (means over ``window``-epoch blocks of each concept) and accuracy per epoch, means over
-    seeds: the dynamic settings, the best periodic one and the cheapest periodic one within the target points."""
+def plot_drift(results: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    """Protocol MB per epoch (means over blocks of ``concept_window_epochs`` within each concept) and accuracy per
+    epoch, means over seeds: the dynamic settings, the best periodic one and the cheapest periodic one within the
+    target points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -455,13 +476,15 @@ def plot_drift(results: list[dict[str, Any]], summary: dict[str, Any], path: Pat
     for key in ("best_periodic", "cheapest_periodic_within_target_points"):
         if summary[key]["setting"] not in shown:
             shown.append(summary[key]["setting"])
+    window = summary["concept_window_epochs"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for name in shown:
         runs = groups[name]
         dashed = kind(runs[0]) != "dynamic"
         label = f"{kind(runs[0])} {describe(runs[0]['params'])}"
         per_epoch = mean_per_epoch(runs, "bytes")
-        blocks = concept_blocks(len(per_epoch), summary["drift_epochs"], window)
+        blocks = [(start, min(start + window, hi)) for lo, hi in concepts(summary["drift_epochs"], len(per_epoch))
+                  for start in range(lo, hi, window)]
         # One epoch's bytes are 0 or a whole sync (and b=50 syncs every 3rd epoch), so per-epoch lines only flicker;
         # block means show the rise after each new concept and the fall as the models settle.
         top.stairs([_mean(per_epoch[lo:hi]) / 1e6 for lo, hi in blocks], [lo - 0.5 for lo, _ in blocks]
@@ -487,16 +510,6 @@ def plot_drift(results: list[dict[str, Any]], summary: dict[str, Any], path: Pat
     plt.close(fig)
 
 
-def concept_blocks(epochs: int, starts: list[int], window: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` epoch blocks of at most ``window`` epochs that never straddle the start of a concept."""
-    bounds = [0] + starts + [epochs]
-    return [(lo, min(lo + window, hi)) for a, hi in zip(bounds[:-1], bounds[1:]) for lo in range(a, hi, window)]
-
-
-def drift_window(starts: list[int], epochs: int) -> int:
-    return max(1, min([5, epochs] + [b - a for a, b in zip([0] + starts, starts + [epochs])]))
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -512,10 +525,9 @@ def replot(out: Path) -> int:
     if drift.exists():
         report = json.loads(drift.read_text())
         starts = [entry["epoch"] for entry in report["config"]["drift"]]
-        report["summary"] = summarize_drift(report["runs"], starts, drift_window(starts, report["config"]["epochs"]))
+        report["summary"] = summarize_drift(report["runs"], starts, report["config"]["epochs"])
         drift.write_text(json.dumps(report, indent=1))
-        plot_drift(report["runs"], report["summary"], out / "drift.png",
-                   drift_window(starts, report["config"]["epochs"]))
+        plot_drift(report["runs"], report["summary"], out / "drift.png")
         plot_comparison(report["runs"], out / "drift_tradeoff.png", stream_score, DRIFT_TITLE)
         print()
         print(drift_table(report["summary"]))
@@ -601,13 +613,13 @@ def main(argv: list[str] | None = None) -> int:
               f"new concept (labels y -> (y + k) mod 10) at epochs {starts}")
         t0 = time.perf_counter()
         results = run_all(runs, base, args, stream_score)
-        summary = summarize_drift(results, starts, drift_window(starts, epochs))
+        summary = summarize_drift(results, starts, epochs)
         report = {"config": {**base, "ranks": args.ranks, "check_every": args.check_every, "drift": schedule,
                              **environment, "wall_s": time.perf_counter() - t0},
                   "summary": summary, "runs": results}
         (args.out / "drift.json").write_text(json.dumps(report, indent=1))
         if "error" not in summary:
-            plot_drift(results, summary, args.out / "drift.png", drift_window(starts, epochs))
+            plot_drift(results, summary, args.out / "drift.png")
             plot_comparison(results, args.out / "drift_tradeoff.png", stream_score, DRIFT_TITLE)
             print()
             print(drift_table(summary))
