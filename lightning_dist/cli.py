@@ -1,6 +1,7 @@
 """``lightning-dist``: LightningCLI with the package's strategies registered.
 
     lightning-dist fit --config configs/dynamic_avg.yaml
+    lightning-dist simulate --config configs/sim/segmented_gossip.yaml   (lightning_dist.sim)
 
 Any LightningModule / LightningDataModule can be named with ``class_path``. When the data
 module exposes ``num_features`` and ``num_classes`` (the embedded ones do), they are passed
@@ -8,6 +9,8 @@ to the model's arguments of the same names.
 """
 
 from __future__ import annotations
+
+import sys
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -21,6 +24,12 @@ class DistCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["simulate"]:
+        from lightning_dist.sim.cli import main as simulate
+
+        simulate(argv[1:])
+        return
     DistCLI(subclass_mode_model=True, subclass_mode_data=True, args=args, save_config_kwargs={"overwrite": True})
 
 

@@ -133,14 +133,20 @@ def balance_models(
     divergence_threshold: float,
     violation_counter: int,
     generator: torch.Generator,
+    on_fetch: Callable[[list[int]], None] | None = None,
 ) -> tuple[list[Tensor], Tensor, list[int], int]:
     """Apply Algorithm 1's synchronization operator to models held in one process.
 
     Used by the simulator and as the executable definition the distributed strategy is tested
-    against. Returns ``(new_models, new_reference, balancing_set, new_violation_counter)``.
+    against. ``on_fetch(newly_added)`` is called whenever the coordinator needs the models of
+    further ranks (first the violators, then each augmentation), so a caller that moves models
+    over a network knows which transfers each round of balancing takes. Returns
+    ``(new_models, new_reference, balancing_set, new_violation_counter)``.
     """
 
     def mean_within_threshold(balancing_set: list[int], newly_added: list[int]) -> bool:
+        if on_fetch is not None:
+            on_fetch(list(newly_added))
         mean = weighted_average([models[i] for i in balancing_set])
         return local_condition_holds(mean, reference, divergence_threshold)
 

@@ -24,7 +24,7 @@ definition the distributed strategy is tested against).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -125,6 +125,36 @@ def mixed_models(models: Tensor, providers: Tensor, bounds: Sequence[tuple[int, 
     for segment, (start, stop) in enumerate(bounds):
         for replica, provider in enumerate(providers[segment].tolist()):
             mixed[replica, start:stop] = models[provider, start:stop]
+    return mixed
+
+
+def pack_segments(vector: Tensor, bounds: Sequence[tuple[int, int]], segments: Sequence[int]) -> Tensor:
+    """The message a provider sends over one link: the listed segments of ``vector``, concatenated."""
+    return torch.cat([vector[start:stop] for start, stop in (bounds[segment] for segment in segments)])
+
+
+def mixed_from_pulls(
+    local: Tensor,
+    providers: Tensor,
+    bounds: Sequence[tuple[int, int]],
+    pulls: Mapping[int, tuple[Sequence[int], Tensor]],
+) -> Tensor:
+    """The puller's side of :func:`mixed_models`: rebuild the ``R`` mixed models from received messages.
+
+    Args:
+        local: ``[N]``, the puller's own model (gives dtype, device and size).
+        providers: ``[S, R]``, the puller's row of :func:`pull_plan`.
+        bounds: :func:`segment_bounds` of ``N`` and ``S``.
+        pulls: ``{provider: (segments, message)}``, each message made by :func:`pack_segments`
+            from the segments that :func:`transfers` lists for ``(provider, puller)``.
+    """
+    _check_plan_row(providers, bounds)
+    mixed = local.new_empty(providers.shape[1], local.numel())
+    for provider, (segments, message) in pulls.items():
+        chunks = message.split([bounds[segment][1] - bounds[segment][0] for segment in segments])
+        for segment, chunk in zip(segments, chunks):
+            replica = providers[segment].tolist().index(provider)
+            mixed[replica, slice(*bounds[segment])] = chunk
     return mixed
 
 

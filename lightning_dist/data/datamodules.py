@@ -148,9 +148,14 @@ class ArrayDataModule(L.LightningDataModule, ABC):
                 dataset.permutation = self._label_permutation
 
     def train_dataloader(self) -> DataLoader:
-        train_set = self._require_setup(self.train_set)
         trainer = self.trainer
         num_replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        return self.train_loader(num_replicas, rank)
+
+    def train_loader(self, num_replicas: int, rank: int) -> DataLoader:
+        """The train loader of rank ``rank`` of ``num_replicas`` (``train_dataloader`` asks the Trainer;
+        the simulator asks for each of its virtual workers)."""
+        train_set = self._require_setup(self.train_set)
         sampler: Sampler
         if self.example_order is not None:
             sampler = CDGraBSampler(

@@ -10,7 +10,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dist.algorithms.segmented_gossip import aggregate, pull_plan, segment_bounds, transfers
+from lightning_dist.algorithms.segmented_gossip import (
+    aggregate,
+    mixed_from_pulls,
+    pack_segments,
+    pull_plan,
+    segment_bounds,
+    transfers,
+)
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -140,7 +147,7 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         plan = pull_plan(world_size, self.segments, self.replicas, self._generator)
         links = transfers(plan)
         sends = [
-            (torch.cat([local[slice(*self._bounds[segment])] for segment in segments]), puller)
+            (pack_segments(local, self._bounds, segments), puller)
             for (provider, puller), segments in links.items()
             if provider == rank
         ]
@@ -151,14 +158,10 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         }
         self.comm.exchange(sends, [(buffer, provider) for provider, buffer in buffers.items()], purpose="protocol")
 
-        # Rebuild the R mixed models (eq. 2) from the received messages.
         providers = plan[rank]
-        mixed = local.new_empty(self.replicas, local.numel())
-        for provider, segments in pulls.items():
-            chunks = buffers[provider].split([self._bounds[s][1] - self._bounds[s][0] for s in segments])
-            for segment, chunk in zip(segments, chunks):
-                replica = providers[segment].tolist().index(provider)
-                mixed[replica, slice(*self._bounds[segment])] = chunk
+        mixed = mixed_from_pulls(
+            local, providers, self._bounds, {provider: (pulls[provider], buffers[provider]) for provider in pulls}
+        )
         self.model_vector.set(aggregate(local, mixed, providers, self._bounds, self.dataset_sizes, rank))
 
         self._rounds += 1

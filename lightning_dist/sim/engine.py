@@ -1,0 +1,203 @@
+"""Virtual time and virtual nodes: paper 001's Scheduler and Worker on top of simpy.
+
+Paper 001 (section 3.3) runs every node as a coroutine under one scheduler that owns virtual time
+and wakes a coroutine when the event it waits for (a timer, a message) is due. simpy's
+:class:`~simpy.Environment` is exactly that scheduler (a heap of timed events, generator
+processes, deterministic order for simultaneous events), so nodes here are simpy processes.
+
+A node's process is a generator; it waits with ``yield``::
+
+    def run(node):
+        loss = yield from node.execute(replica.step)       # real compute; advances virtual time
+        node.send(peer, tensor, tag="model")                # returns at once; the network moves it
+        message = yield node.recv(source=peer, tag="model")
+        yield node.sleep(0.5)
+
+``execute`` runs the function for real and then lets the node's virtual clock advance by its
+duration: the measured wall time, or what the :class:`SpeedModel` says, for reproducible runs
+and for stragglers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Generator, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar
+
+import numpy as np
+import simpy
+from torch import Tensor
+
+from lightning_dist.sim.network import Network, NetworkModel
+
+T = TypeVar("T")
+
+
+def payload_bytes(payload: Any) -> int:
+    """Bytes a payload occupies on the wire: tensors by their storage, scalars 8 bytes, containers summed."""
+    if isinstance(payload, Tensor):
+        return payload.numel() * payload.element_size()
+    if isinstance(payload, (bool, int, float)):
+        return 8
+    if payload is None or isinstance(payload, str):
+        return 0
+    if isinstance(payload, Mapping):
+        return sum(payload_bytes(value) for value in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(payload_bytes(item) for item in payload)
+    raise TypeError(f"cannot size a payload of type {type(payload).__name__}; pass nbytes explicitly")
+
+
+@dataclass(frozen=True)
+class Message:
+    source: int
+    tag: Hashable
+    payload: Any
+    nbytes: int
+    sent_at: float
+
+
+@dataclass
+class SpeedModel:
+    """How long ``execute`` takes in virtual time.
+
+    Args:
+        step_seconds: virtual seconds of one training step; None: the measured wall time of each
+            call (realistic, but not reproducible).
+        aggregate_seconds: virtual seconds of one aggregation on a server or coordinator; None:
+            measured.
+        slowdown: ``{node: factor}``, stragglers: that node's durations are multiplied by the factor.
+        jitter: relative spread of modelled step times, each step drawn uniformly from
+            ``step_seconds * [1 - jitter, 1 + jitter]`` with a per-node seeded generator; in [0, 1).
+        seed: seeds the jitter.
+
+    A run is deterministic when ``step_seconds`` and ``aggregate_seconds`` are both set.
+    """
+
+    step_seconds: Optional[float] = None
+    aggregate_seconds: Optional[float] = None
+    slowdown: dict[int, float] = field(default_factory=dict)
+    jitter: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("step_seconds", "aggregate_seconds"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be None (measured) or a finite number of seconds >= 0; got {value!r}")
+        for node, factor in self.slowdown.items():
+            if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+                raise ValueError(f"slowdown[{node}] must be a finite factor > 0; got {factor!r}")
+        if not (isinstance(self.jitter, (int, float)) and 0 <= self.jitter < 1):
+            raise ValueError(f"jitter must lie in [0, 1); got {self.jitter!r}")
+        self._generators: dict[int, np.random.Generator] = {}
+
+    @property
+    def deterministic(self) -> bool:
+        return self.step_seconds is not None and self.aggregate_seconds is not None
+
+    def duration(self, node: int, kind: str, measured: float) -> float:
+        """Virtual seconds of one ``execute`` of ``kind`` ("step" or "aggregate") that took ``measured``."""
+        modelled = self.step_seconds if kind == "step" else self.aggregate_seconds
+        seconds = measured if modelled is None else modelled
+        if kind == "step" and modelled is not None and self.jitter:
+            generator = self._generators.setdefault(node, np.random.default_rng([self.seed, node]))
+            seconds *= 1 + self.jitter * (2 * generator.random() - 1)
+        return seconds * self.slowdown.get(node, 1.0)
+
+
+class Node:
+    """A virtual computer: compute, a send port and a receive port (paper 001's Worker, Table 2)."""
+
+    def __init__(self, simulator: Simulator, index: int, name: str) -> None:
+        self.simulator = simulator
+        self.index = index
+        self.name = name
+        self.mailbox = simpy.FilterStore(simulator.env)
+        self.compute_seconds = 0.0
+        self.wall_compute_seconds = 0.0
+
+    @property
+    def now(self) -> float:
+        return self.simulator.env.now
+
+    def send(self, target: int, payload: Any, tag: Hashable = None, nbytes: Optional[int] = None) -> simpy.Event:
+        """Post ``payload`` to node ``target``; returns an event that fires when it has arrived.
+
+        The caller need not wait for it: sending is independent of compute.
+        """
+        size = payload_bytes(payload) if nbytes is None else nbytes
+        message = Message(self.index, tag, payload, size, self.now)
+        target_node = self.simulator.nodes[target]
+        return self.simulator.network.post(self.index, target, size, lambda: target_node.mailbox.put(message))
+
+    def recv(self, source: Optional[int] = None, tag: Hashable = None) -> simpy.Event:
+        """An event whose value is the first arrived :class:`Message` matching ``source`` and ``tag``
+        (None matches any), in arrival order."""
+        return self.mailbox.get(lambda message: _matches(message, source, tag))
+
+    def recv_nowait(self, source: Optional[int] = None, tag: Hashable = None) -> Optional[Message]:
+        """The first arrived matching message, removed from the mailbox; None if none has arrived."""
+        for message in self.mailbox.items:
+            if _matches(message, source, tag):
+                self.mailbox.items.remove(message)
+                return message
+        return None
+
+    def execute(self, fn: Callable[..., T], *args: Any, kind: str = "step") -> Generator[simpy.Event, Any, T]:
+        """Run ``fn(*args)`` now, then advance this node's virtual clock by its duration.
+
+        Use as ``result = yield from node.execute(fn, ...)``.
+        """
+        start = time.perf_counter()
+        result = fn(*args)
+        measured = time.perf_counter() - start
+        seconds = self.simulator.speed.duration(self.index, kind, measured)
+        self.wall_compute_seconds += measured
+        self.compute_seconds += seconds
+        yield self.simulator.env.timeout(seconds)
+        return result
+
+    def sleep(self, seconds: float) -> simpy.Event:
+        if not seconds >= 0:
+            raise ValueError(f"seconds must be >= 0; got {seconds!r}")
+        return self.simulator.env.timeout(seconds)
+
+
+def _matches(message: Message, source: Optional[int], tag: Hashable) -> bool:
+    return (source is None or message.source == source) and (tag is None or message.tag == tag)
+
+
+class Simulator:
+    """The scheduler: owns virtual time, the nodes and the network (paper 001, Table 3)."""
+
+    def __init__(self, network: NetworkModel, speed: Optional[SpeedModel] = None) -> None:
+        self.env = simpy.Environment()
+        self.network_model = network
+        self.speed = speed if speed is not None else SpeedModel()
+        self.nodes: list[Node] = []
+        self._programs: list[tuple[Node, Callable[[Node], Generator]]] = []
+        self.network: Optional[Network] = None
+
+    def add_node(self, name: str, program: Callable[[Node], Generator]) -> Node:
+        """Add a node that runs ``program(node)`` (a generator function) when the simulation starts."""
+        if self.network is not None:
+            raise RuntimeError("nodes must be added before the simulation starts")
+        node = Node(self, len(self.nodes), name)
+        self.nodes.append(node)
+        self._programs.append((node, program))
+        return node
+
+    def start(self) -> None:
+        self.network = Network(self.env, self.network_model, len(self.nodes))
+        for node, program in self._programs:
+            self.env.process(program(node))
+
+    def run(self, until: Optional[float] = None) -> float:
+        """Run until no event is left (or virtual time ``until``); returns the virtual time reached."""
+        if self.network is None:
+            self.start()
+        self.env.run(until=until)
+        return self.env.now

@@ -1,0 +1,179 @@
+"""The simulator's network model (paper 001, section 3.2, with paper 002's per-link caps).
+
+Paper 001 models a node with a *send port* and a *receive port* that work independently of
+compute and of each other: sending to several targets is serialized, and so is receiving from
+several sources. A transfer of ``b`` bytes occupies the sender's send port, the link and the
+receiver's receive port for ``b / bandwidth`` seconds (its transmission time) and arrives
+``latency`` seconds after its last byte left, so a lone transfer takes ``latency + b / bandwidth``.
+
+Paper 002 caps bandwidth per node (100 Mbit/s) and per link (10 Mbit/s): a node can then feed
+``node / link`` links at full link speed at once. So a port has ``lanes = floor(node / link)``
+(at least 1) serial lanes; each transfer runs at ``min(node, link)`` on one lane. Without a link
+cap a port has one lane at node speed (paper 001's serialized model); without a node cap the
+links are the only limit. ``half_duplex_links`` makes the two directions of a link share it,
+which is what Gloo does between a pair of processes (measured in ``benchmarks/segmented_gossip.py``).
+
+Pending transfers are scanned in the order they were posted and each starts as soon as its
+sender, link and receiver are all free, the scan-and-notify of paper 001's Sender Walker: a busy
+receiver does not hold up the sender's other transfers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import simpy
+
+BITS_PER_BYTE = 8
+MEGABIT = 1e6
+
+
+def _check_bandwidth(name: str, value: Optional[float]) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 (Mbit/s) or None for no cap; got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    """Latency and bandwidth caps of the simulated network (validated on construction).
+
+    Args:
+        latency: seconds from a message's last byte leaving to its arrival, ``>= 0``. Default 0.
+        node_mbit: per-node cap on sending and, separately, on receiving, Mbit/s; None: no cap.
+        link_mbit: per-link cap (each ordered pair of nodes), Mbit/s; None: no cap.
+        half_duplex_links: the two directions of a link share it (Gloo's behaviour between two
+            processes); default False.
+    """
+
+    latency: float = 0.0
+    node_mbit: Optional[float] = None
+    link_mbit: Optional[float] = None
+    half_duplex_links: bool = False
+
+    def __post_init__(self) -> None:
+        latency = self.latency
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not (
+            math.isfinite(latency) and latency >= 0
+        ):
+            raise ValueError(f"latency must be a finite number of seconds >= 0; got {latency!r}")
+        object.__setattr__(self, "latency", float(latency))
+        object.__setattr__(self, "node_mbit", _check_bandwidth("node_mbit", self.node_mbit))
+        object.__setattr__(self, "link_mbit", _check_bandwidth("link_mbit", self.link_mbit))
+        if not isinstance(self.half_duplex_links, bool):
+            raise ValueError(f"half_duplex_links must be a bool; got {self.half_duplex_links!r}")
+
+    @property
+    def lanes(self) -> Optional[int]:
+        """Transfers a port carries at once; None when only the links limit them."""
+        if self.node_mbit is None:
+            return None
+        if self.link_mbit is None:
+            return 1
+        return max(1, math.floor(self.node_mbit / self.link_mbit + 1e-9))
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Rate of one transfer: ``min(node, link)`` in bytes/s (``inf`` without caps)."""
+        caps = [cap for cap in (self.node_mbit, self.link_mbit) if cap is not None]
+        return min(caps) * MEGABIT / BITS_PER_BYTE if caps else math.inf
+
+    def transmission_seconds(self, nbytes: int) -> float:
+        """Time a transfer of ``nbytes`` occupies its ports and link."""
+        return 0.0 if nbytes == 0 or math.isinf(self.bytes_per_second) else nbytes / self.bytes_per_second
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        """A lone transfer's duration: ``latency + nbytes / bandwidth``."""
+        return self.latency + self.transmission_seconds(nbytes)
+
+
+@dataclass
+class Transfer:
+    source: int
+    target: int
+    nbytes: int
+    deliver: Callable[[], Any]
+    done: simpy.Event
+
+
+class Network:
+    """Moves messages between the nodes of one :class:`simpy.Environment` under a :class:`NetworkModel`.
+
+    Counts every byte and message, per sending node and in total.
+    """
+
+    def __init__(self, env: simpy.Environment, model: NetworkModel, num_nodes: int) -> None:
+        self.env = env
+        self.model = model
+        lanes = model.lanes
+        self._send_free = [lanes] * num_nodes
+        self._receive_free = [lanes] * num_nodes
+        self._busy_links: set[tuple[int, int]] = set()
+        self._pending: list[Transfer] = []
+        self.bytes_sent = [0] * num_nodes
+        self.messages_sent = [0] * num_nodes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent)
+
+    def post(self, source: int, target: int, nbytes: int, deliver: Callable[[], Any]) -> simpy.Event:
+        """Queue a transfer; ``deliver`` runs at arrival, when the returned event also fires."""
+        if source == target:
+            raise ValueError(f"node {source} cannot send a message to itself")
+        self.bytes_sent[source] += nbytes
+        self.messages_sent[source] += 1
+        transfer = Transfer(source, target, nbytes, deliver, self.env.event())
+        self._pending.append(transfer)
+        self._start_ready()
+        return transfer.done
+
+    def _link(self, transfer: Transfer) -> tuple[int, int]:
+        if self.model.half_duplex_links:
+            return (min(transfer.source, transfer.target), max(transfer.source, transfer.target))
+        return (transfer.source, transfer.target)
+
+    def _ready(self, transfer: Transfer) -> bool:
+        sender, receiver = self._send_free[transfer.source], self._receive_free[transfer.target]
+        return (
+            (sender is None or sender > 0)
+            and (receiver is None or receiver > 0)
+            and self._link(transfer) not in self._busy_links
+        )
+
+    def _start_ready(self) -> None:
+        waiting = []
+        for transfer in self._pending:
+            if self._ready(transfer):
+                self._occupy(transfer, -1)
+                self.env.timeout(self.model.transmission_seconds(transfer.nbytes)).callbacks.append(
+                    lambda _event, transfer=transfer: self._transmitted(transfer)
+                )
+            else:
+                waiting.append(transfer)
+        self._pending = waiting
+
+    def _occupy(self, transfer: Transfer, change: int) -> None:
+        if self._send_free[transfer.source] is not None:
+            self._send_free[transfer.source] += change
+        if self._receive_free[transfer.target] is not None:
+            self._receive_free[transfer.target] += change
+        if change < 0:
+            self._busy_links.add(self._link(transfer))
+        else:
+            self._busy_links.discard(self._link(transfer))
+
+    def _transmitted(self, transfer: Transfer) -> None:
+        self._occupy(transfer, +1)
+        self.env.timeout(self.model.latency).callbacks.append(lambda _event: self._arrive(transfer))
+        self._start_ready()
+
+    @staticmethod
+    def _arrive(transfer: Transfer) -> None:
+        transfer.deliver()
+        transfer.done.succeed()

@@ -1,0 +1,57 @@
+"""What a protocol is to the simulator: per-worker code after each step, and optional server nodes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import simpy
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_dist.sim.engine import Node
+    from lightning_dist.sim.simulation import Simulation
+
+Program = Generator[simpy.Event, Any, Any]
+
+
+class Protocol(ABC):
+    """A communication protocol run by the virtual workers (and by ``num_servers`` extra nodes).
+
+    Workers are nodes ``0 .. N-1`` and train their replicas; a server or coordinator, when the
+    protocol has one, is node ``N``. The math comes from ``lightning_dist.algorithms``; a protocol
+    only decides which node holds which vector and which messages travel.
+    """
+
+    name: str
+    num_servers: int = 0
+
+    def setup(self, simulation: Simulation) -> None:
+        """Called once before the simulation starts, when replicas and the data are ready."""
+        self.simulation = simulation
+
+    def validate(self, num_workers: int, max_steps: int) -> None:
+        """Raise a ValueError naming the parameter when this protocol cannot run on ``num_workers``."""
+
+    @abstractmethod
+    def after_step(self, node: Node, rank: int, step: int) -> Program:
+        """Runs on worker ``rank`` after its optimizer step number ``step`` (from 1); may communicate."""
+
+    def server(self, node: Node) -> Program:
+        """The program of the server node (only for protocols with ``num_servers == 1``)."""
+        raise RuntimeError(f"protocol {self.name!r} has no server node")
+
+    def global_model(self) -> Tensor:
+        """The model the run is scored by: the mean of the replicas unless the protocol holds a global one."""
+        return self.simulation.consensus()
+
+    def metrics(self) -> dict[str, float]:
+        """Protocol counters reported with the results."""
+        return {}
+
+    def config(self) -> dict[str, Any]:
+        """The protocol's name and arguments, as written in a config."""
+        return {"name": self.name, **{key: value for key, value in vars(self).items() if key in self.arguments}}
+
+    arguments: tuple[str, ...] = ()

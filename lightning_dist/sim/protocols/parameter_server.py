@@ -1,0 +1,93 @@
+"""DownpourSGD's parameter server in the simulator, synchronous or asynchronous (papers 000, 001).
+
+The same :class:`~lightning_dist.algorithms.parameter_server.GlobalModel` as
+:class:`~lightning_dist.strategies.DownpourSGDStrategy` lives on a server node (node ``N``). Every
+``push_every`` steps a worker sends its accumulated update and waits for the global model. The
+asynchronous server applies each update on arrival and answers that worker at once; the
+synchronous one (paper 001's SSGD) waits for every worker's update of the round, applies them in
+rank order and sends the model back to all workers, one after the other through its send port.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from lightning_dist.algorithms.parameter_server import (
+    GlobalModel,
+    accumulated_update,
+    check_finite,
+    check_max_staleness,
+)
+from lightning_dist.sim.engine import Node
+from lightning_dist.sim.protocols.base import Program, Protocol
+
+
+class ParameterServer(Protocol):
+    """Args:
+    push_every: local steps between pushes (DESIGN 3.5's default 5); ``>= 1``.
+    synchronous: a barrier per round (paper 001's synchronous mode) instead of asynchronous pushes.
+    max_staleness: drop updates staler than this many server versions; None keeps all.
+    """
+
+    name = "parameter_server"
+    num_servers = 1
+    arguments = ("push_every", "synchronous", "max_staleness")
+
+    def __init__(self, push_every: int = 5, synchronous: bool = False, max_staleness: Optional[int] = None) -> None:
+        if isinstance(push_every, bool) or not isinstance(push_every, int) or push_every < 1:
+            raise ValueError(f"push_every must be an integer >= 1 (local steps between pushes); got {push_every!r}")
+        if not isinstance(synchronous, bool):
+            raise ValueError(f"synchronous must be a bool; got {synchronous!r}")
+        check_max_staleness(max_staleness)
+        self.push_every = push_every
+        self.synchronous = synchronous
+        self.max_staleness = max_staleness
+
+    def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
+        super().setup(simulation)
+        initial = simulation.replicas[0].get()
+        self.store = GlobalModel(initial, self.max_staleness)
+        self.rounds = simulation.max_steps // self.push_every
+        self.pulled = [initial] * simulation.num_workers
+        self.versions = [0] * simulation.num_workers
+
+    def after_step(self, node: Node, rank: int, step: int) -> Program:
+        if step % self.push_every:
+            return
+        replica = self.simulation.replicas[rank]
+        update = accumulated_update(replica.get(), self.pulled[rank])
+        node.send(self.simulation.server, (update, self.versions[rank]), tag="push")
+        message = yield node.recv(source=self.simulation.server, tag="pull")
+        vector, version = message.payload
+        replica.set(vector)
+        self.pulled[rank], self.versions[rank] = vector, version
+
+    def server(self, node: Node) -> Program:
+        workers = self.simulation.num_workers
+        if self.synchronous:
+            for _ in range(self.rounds):
+                updates = {}
+                for _ in range(workers):
+                    message = yield node.recv(tag="push")
+                    check_finite(message.payload[0], message.source)
+                    updates[message.source] = message.payload
+                ordered = [updates[rank] for rank in range(workers)]
+                yield from node.execute(self.store.push_round, ordered, kind="aggregate")
+                reply = (self.store.vector.clone(), self.store.version)
+                for rank in range(workers):
+                    node.send(rank, reply, tag="pull")
+            return
+        for _ in range(self.rounds * workers):
+            message = yield node.recv(tag="push")
+            update, pulled_version = message.payload
+            check_finite(update, message.source)
+            yield from node.execute(self.store.push, update, pulled_version, kind="aggregate")
+            node.send(message.source, (self.store.vector.clone(), self.store.version), tag="pull")
+
+    def global_model(self) -> Tensor:
+        return self.store.vector
+
+    def metrics(self) -> dict[str, float]:
+        return self.store.metrics()

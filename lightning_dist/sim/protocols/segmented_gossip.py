@@ -1,0 +1,96 @@
+"""Segmented gossip (paper 002) in the simulator: no server, only worker-to-worker pulls.
+
+Every ``period`` steps a worker draws the round's pull plan from the seed all workers share
+(:func:`~lightning_dist.algorithms.segmented_gossip.pull_plan`), sends each of its pullers the
+segments that :func:`~lightning_dist.algorithms.segmented_gossip.transfers` assigns to that link,
+waits for the segments it pulls, and aggregates them
+(:func:`~lightning_dist.algorithms.segmented_gossip.aggregate`), exactly as
+:class:`~lightning_dist.strategies.SegmentedGossipStrategy` does between processes. With the
+network model's per-link and per-node caps this is paper 002's setting.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_dist.algorithms.segmented_gossip import (
+    aggregate,
+    mixed_from_pulls,
+    pack_segments,
+    pull_plan,
+    segment_bounds,
+    transfers,
+)
+from lightning_dist.sim.engine import Node
+from lightning_dist.sim.protocols.base import Program, Protocol
+from lightning_dist.sim.replica import check_finite
+
+
+class SegmentedGossip(Protocol):
+    """Args:
+    segments: ``S >= 1``, segments per model; 1 is plain gossip. Default 10 (paper 002).
+    replicas: ``R`` peers each segment is pulled from, in ``[1, workers - 1]``. Default 2.
+    period: ``tau >= 1``, local steps between rounds. Default 40.
+    seed: seeds the pull plans.
+    """
+
+    name = "segmented_gossip"
+    arguments = ("segments", "replicas", "period", "seed")
+
+    def __init__(self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0) -> None:
+        for name, value in (("segments", segments), ("replicas", replicas), ("period", period)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        self.segments = segments
+        self.replicas = replicas
+        self.period = period
+        self.seed = seed
+
+    def validate(self, num_workers: int, max_steps: int) -> None:
+        if num_workers < 2 or self.replicas > num_workers - 1:
+            raise ValueError(
+                f"replicas must be in [1, workers - 1] = [1, {num_workers - 1}] (distinct peers per segment); "
+                f"got replicas={self.replicas} with {num_workers} workers"
+            )
+
+    def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
+        super().setup(simulation)
+        self._generator = torch.Generator().manual_seed(self.seed)
+        self._plans: list[tuple[Tensor, dict[tuple[int, int], list[int]]]] = []
+        self.bounds = segment_bounds(simulation.replicas[0].get().numel(), self.segments)
+        self.rounds_done = 0
+
+    def plan(self, round_index: int) -> tuple[Tensor, dict[tuple[int, int], list[int]]]:
+        """The pull plan of round ``round_index`` (from 1) and its links, drawn in round order."""
+        while len(self._plans) < round_index:
+            plan = pull_plan(self.simulation.num_workers, self.segments, self.replicas, self._generator)
+            self._plans.append((plan, transfers(plan)))
+        return self._plans[round_index - 1]
+
+    def after_step(self, node: Node, rank: int, step: int) -> Program:
+        if step % self.period:
+            return
+        round_index = step // self.period
+        plan, links = self.plan(round_index)
+        replica = self.simulation.replicas[rank]
+        local = replica.get()
+        check_finite(local, rank)
+        tag = ("segments", round_index)
+        pulls = {}
+        for (provider, puller), segments in links.items():
+            if provider == rank:
+                node.send(puller, pack_segments(local, self.bounds, segments), tag=tag)
+            elif puller == rank:
+                pulls[provider] = segments
+        received = {}
+        for _ in pulls:
+            message = yield node.recv(tag=tag)
+            received[message.source] = (pulls[message.source], message.payload)
+        mixed = mixed_from_pulls(local, plan[rank], self.bounds, received)
+        replica.set(aggregate(local, mixed, plan[rank], self.bounds, self.simulation.dataset_sizes, rank))
+        if rank == 0:
+            self.rounds_done += 1
+
+    def metrics(self) -> dict[str, float]:
+        return {"segmented_gossip/rounds": float(self.rounds_done)}

@@ -1,0 +1,149 @@
+"""Real training and evaluation of a user's LightningModule inside the simulator, without a Trainer.
+
+Every virtual worker owns a deep copy of one LightningModule (its own parameters and the optimizer
+its ``configure_optimizers`` returns) and a train loader from the shared datamodule for its rank,
+so the simulator trains exactly what ``Trainer.fit`` would. Protocols see a replica as the flat
+vector of :class:`~lightning_dist.model_vector.ModelVector`, the same unit the strategies exchange.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+from torchmetrics import Metric
+
+from lightning_dist.model_vector import ModelVector
+
+
+class NonFiniteModelError(RuntimeError):
+    """A virtual worker's model or update is NaN or infinite; it is refused before any average uses it."""
+
+    def __init__(self, worker: int, what: str = "model") -> None:
+        super().__init__(f"worker {worker} has a non-finite {what}; refusing to use it in the protocol")
+        self.worker = worker
+
+
+def check_finite(vector: Tensor, worker: int, what: str = "model") -> None:
+    if not bool(torch.isfinite(vector).all()):
+        raise NonFiniteModelError(worker, what)
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The optimizer out of any of the forms ``configure_optimizers`` may return."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    raise TypeError(f"configure_optimizers must return an optimizer (or a form holding one); got {configured!r}")
+
+
+class _LogRecorder:
+    """Stands in for ``LightningModule.log`` outside a Trainer: keeps what the module logs."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self.metrics: dict[str, Metric] = {}
+
+    def __call__(self, name: str, value: Any, *args: Any, batch_size: Optional[int] = None, **kwargs: Any) -> None:
+        if isinstance(value, Metric):
+            self.metrics[name] = value
+        else:
+            number = value.detach() if isinstance(value, torch.Tensor) else value
+            self.values[name].append((float(number), batch_size or 1))
+
+    def results(self) -> dict[str, float]:
+        """Per-example weighted means of logged values, and each logged Metric's ``compute()``."""
+        results = {
+            name: sum(value * weight for value, weight in entries) / sum(weight for _, weight in entries)
+            for name, entries in self.values.items()
+        }
+        for name, metric in self.metrics.items():
+            results[name] = float(metric.compute())
+            metric.reset()
+        self.values.clear()
+        self.metrics.clear()
+        return results
+
+
+class Replica:
+    """One worker's model, optimizer and stream of training batches (epochs continue forever)."""
+
+    def __init__(self, template: L.LightningModule, loader: DataLoader) -> None:
+        self.module = copy.deepcopy(template)
+        self.module.train()
+        self.module.log = _LogRecorder()  # training_step's self.log calls are not needed here
+        self.optimizer = _first_optimizer(self.module.configure_optimizers())
+        self.vector = ModelVector(self.module)
+        self.loader = loader
+        self.epoch = 0
+        self.steps = 0
+        self._batches: Optional[Iterator] = None
+
+    @property
+    def examples_per_epoch(self) -> int:
+        return len(self.loader.sampler)
+
+    def _next_batch(self) -> Any:
+        while True:
+            if self._batches is None:
+                if hasattr(self.loader.sampler, "set_epoch"):
+                    self.loader.sampler.set_epoch(self.epoch)
+                self._batches = iter(self.loader)
+            try:
+                return next(self._batches)
+            except StopIteration:
+                self._batches = None
+                self.epoch += 1
+
+    def step(self) -> float:
+        """One optimizer step on the next batch; returns the training loss."""
+        batch = self._next_batch()
+        self.optimizer.zero_grad(set_to_none=True)
+        output = self.module.training_step(batch, self.steps)
+        loss = output["loss"] if isinstance(output, dict) else output
+        loss.backward()
+        self.optimizer.step()
+        self.steps += 1
+        return float(loss.detach())
+
+    def get(self) -> Tensor:
+        return self.vector.get()
+
+    def set(self, vector: Tensor) -> None:
+        self.vector.set(vector)
+
+
+class Evaluator:
+    """Runs the module's ``validation_step`` over the validation batches for any model vector.
+
+    The returned metrics are what the module logs (``val_loss``, ``val_acc`` for the embedded
+    models), reduced as Lightning reduces them at epoch end: tensors by their per-example mean,
+    torchmetrics Metrics by ``compute()``.
+    """
+
+    def __init__(self, template: L.LightningModule, batches: Iterable[Any]) -> None:
+        self.module = copy.deepcopy(template)
+        self.module.eval()
+        self.recorder = _LogRecorder()
+        self.module.log = self.recorder
+        self.vector = ModelVector(self.module)
+        self.batches = list(batches)
+
+    @torch.no_grad()
+    def __call__(self, vector: Tensor) -> dict[str, float]:
+        if not bool(torch.isfinite(vector).all()):
+            return {"val_loss": math.nan}
+        self.vector.set(vector)
+        for index, batch in enumerate(self.batches):
+            self.module.validation_step(batch, index)
+        return self.recorder.results()

@@ -1,0 +1,242 @@
+"""One simulated training run: N virtual workers of one LightningModule on one datamodule.
+
+Workers are nodes ``0 .. N-1`` of a :class:`~lightning_dist.sim.engine.Simulator`; each trains its
+own :class:`~lightning_dist.sim.replica.Replica` on its rank's share of the training set (the
+loader the datamodule gives rank ``i`` of ``N``) and runs the protocol after every step. A
+protocol's server or coordinator is node ``N``. Evaluation is an observer: it reads the models at
+a virtual instant and costs no virtual time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.sim.engine import Node, Simulator, SpeedModel
+from lightning_dist.sim.network import NetworkModel
+from lightning_dist.sim.protocols.base import Program, Protocol
+from lightning_dist.sim.replica import Evaluator, Replica
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return value
+
+
+def worker_loader(datamodule: L.LightningDataModule, num_workers: int, rank: int, seed: int) -> DataLoader:
+    """The train loader of rank ``rank`` of ``num_workers``, as the datamodule would give it under DDP.
+
+    Datamodules with ``train_loader(num_replicas, rank)`` (this package's) choose their own sampler;
+    for any other, the dataset and batch size of ``train_dataloader()`` are dealt out by a
+    ``DistributedSampler``, which is what Lightning injects.
+    """
+    if hasattr(datamodule, "train_loader"):
+        return datamodule.train_loader(num_workers, rank)
+    loader = datamodule.train_dataloader()
+    sampler = DistributedSampler(loader.dataset, num_replicas=num_workers, rank=rank, seed=seed, drop_last=True)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
+
+
+@dataclass
+class SimulationResult:
+    """What a run produced: global rows, per-worker rows and a summary (see :mod:`lightning_dist.sim.report`)."""
+
+    rows: list[dict[str, float]] = field(default_factory=list)
+    worker_rows: list[dict[str, float]] = field(default_factory=list)
+    waits: list[dict[str, float]] = field(default_factory=list)
+    """Every time a worker waited for the protocol: worker, step, virtual start and seconds waited."""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class Simulation:
+    """Simulate ``protocol`` on ``workers`` virtual workers of ``model`` trained on ``datamodule``.
+
+    Args:
+        model: the LightningModule every worker copies (its ``training_step``, ``validation_step``
+            and ``configure_optimizers`` are used as a Trainer would use them).
+        datamodule: gives each worker its train loader and the validation batches.
+        protocol: a :class:`~lightning_dist.sim.protocols.Protocol`.
+        workers: number of virtual workers, ``>= 1``.
+        max_steps: optimizer steps per worker, ``>= 1``.
+        network: the :class:`~lightning_dist.sim.network.NetworkModel`; default: no latency, no caps.
+        speed: the :class:`~lightning_dist.sim.engine.SpeedModel`; default: measured durations.
+        max_virtual_seconds: stop at this virtual time even if steps are left; None: no limit.
+        eval_every: evaluate the global model each time the workers have taken this many more
+            steps on average, ``>= 1``; also at the start and the end.
+        evaluate_workers: also evaluate every worker's own model at those points.
+        seed: seeds torch before the run (dropout, and anything else drawn from torch's default generator).
+    """
+
+    def __init__(
+        self,
+        model: L.LightningModule,
+        datamodule: L.LightningDataModule,
+        protocol: Protocol,
+        workers: int,
+        max_steps: int,
+        network: Optional[NetworkModel] = None,
+        speed: Optional[SpeedModel] = None,
+        max_virtual_seconds: Optional[float] = None,
+        eval_every: int = 10,
+        evaluate_workers: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.num_workers = _check_count("workers", workers, 1)
+        self.max_steps = _check_count("max_steps", max_steps, 1)
+        self.eval_every = _check_count("eval_every", eval_every, 1)
+        if max_virtual_seconds is not None and (
+            isinstance(max_virtual_seconds, bool)
+            or not isinstance(max_virtual_seconds, (int, float))
+            or not (math.isfinite(max_virtual_seconds) and max_virtual_seconds > 0)
+        ):
+            raise ValueError(f"max_virtual_seconds must be None or a finite number > 0; got {max_virtual_seconds!r}")
+        if not isinstance(protocol, Protocol):
+            raise TypeError(f"protocol must be a lightning_dist.sim Protocol; got {type(protocol).__name__}")
+        protocol.validate(self.num_workers, self.max_steps)
+        self.model = model
+        self.datamodule = datamodule
+        self.protocol = protocol
+        self.network_model = network if network is not None else NetworkModel()
+        self.speed = speed if speed is not None else SpeedModel()
+        self.max_virtual_seconds = max_virtual_seconds
+        self.evaluate_workers = evaluate_workers
+        self.seed = seed
+        self.server = self.num_workers
+
+    # ------------------------------------------------------------------ helpers protocols use
+
+    def consensus(self) -> Tensor:
+        """The mean of the workers' models weighted by their examples per epoch (``|D_j|``)."""
+        return weighted_average([replica.get() for replica in self.replicas], self.dataset_sizes.tolist())
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> SimulationResult:
+        wall_start = time.perf_counter()
+        torch.manual_seed(self.seed)
+        self.datamodule.setup("fit")
+        self.replicas = [
+            Replica(self.model, worker_loader(self.datamodule, self.num_workers, rank, self.seed))
+            for rank in range(self.num_workers)
+        ]
+        sizes = [replica.examples_per_epoch for replica in self.replicas]
+        self.dataset_sizes = torch.tensor(sizes, dtype=torch.float64)
+        self.evaluator = Evaluator(self.model, self.datamodule.val_dataloader())
+        self.protocol.setup(self)
+        self.simulator = Simulator(self.network_model, self.speed)
+        for rank in range(self.num_workers):
+            self.simulator.add_node(f"worker{rank}", self._worker_program)
+        if self.protocol.num_servers:
+            self.simulator.add_node("server", self.protocol.server)
+        self.result = SimulationResult()
+        self._total_steps = 0
+        self._next_eval = 0
+        self._losses: list[list[float]] = [[] for _ in range(self.num_workers)]
+        self._eval_wall = 0.0
+        self.simulator.start()
+        self._evaluate()
+        virtual_seconds = self.simulator.run(until=self.max_virtual_seconds)
+        if self.result.rows[-1]["time"] != virtual_seconds or self.result.rows[-1]["steps"] != self._total_steps:
+            self._evaluate()
+        self.result.summary = self._summary(virtual_seconds, time.perf_counter() - wall_start)
+        return self.result
+
+    def _worker_program(self, node: Node) -> Program:
+        rank = node.index
+        replica = self.replicas[rank]
+        for step in range(1, self.max_steps + 1):
+            loss = yield from node.execute(replica.step)
+            self._losses[rank].append(loss)
+            self._total_steps += 1
+            if self._total_steps >= self._next_eval:
+                self._evaluate()
+            started = node.now
+            yield from self.protocol.after_step(node, rank, step)
+            if node.now > started:
+                wait = {"worker": rank, "step": step, "start": started, "seconds": node.now - started}
+                self.result.waits.append(wait)
+
+    def _evaluate(self) -> None:
+        start = time.perf_counter()
+        now = self.simulator.env.now
+        network = self.simulator.network
+        row: dict[str, float] = {
+            "time": now,
+            "steps": self._total_steps,
+            "mean_steps": self._total_steps / self.num_workers,
+            "bytes": network.total_bytes,
+            "messages": sum(network.messages_sent),
+        }
+        recent = [loss for losses in self._losses for loss in losses]
+        if recent:
+            row["train_loss"] = sum(recent) / len(recent)
+        row.update(self.evaluator(self.protocol.global_model()))
+        self.result.rows.append(row)
+        for rank, replica in enumerate(self.replicas):
+            losses = self._losses[rank]
+            worker_row: dict[str, float] = {
+                "time": now,
+                "worker": rank,
+                "steps": replica.steps,
+                "bytes": network.bytes_sent[rank],
+            }
+            if losses:
+                worker_row["train_loss"] = sum(losses) / len(losses)
+            if self.evaluate_workers:
+                worker_row.update(self.evaluator(replica.get()))
+            self.result.worker_rows.append(worker_row)
+            losses.clear()
+        self._next_eval = self._total_steps + self.eval_every * self.num_workers
+        self._eval_wall += time.perf_counter() - start
+
+    def _summary(self, virtual_seconds: float, wall_seconds: float) -> dict[str, Any]:
+        nodes = self.simulator.nodes
+        network = self.simulator.network
+        compute_wall = sum(node.wall_compute_seconds for node in nodes)
+        final = self.result.rows[-1]
+        return {
+            "protocol": self.protocol.config(),
+            "workers": self.num_workers,
+            "max_steps": self.max_steps,
+            "network": {
+                "latency": self.network_model.latency,
+                "node_mbit": self.network_model.node_mbit,
+                "link_mbit": self.network_model.link_mbit,
+                "half_duplex_links": self.network_model.half_duplex_links,
+            },
+            "speed": {
+                "step_seconds": self.speed.step_seconds,
+                "aggregate_seconds": self.speed.aggregate_seconds,
+                "slowdown": dict(self.speed.slowdown),
+                "jitter": self.speed.jitter,
+                "deterministic": self.speed.deterministic,
+            },
+            "seed": self.seed,
+            "num_parameters": self.replicas[0].vector.num_parameters,
+            "model_bytes": self.replicas[0].get().nbytes,
+            "virtual_seconds": virtual_seconds,
+            "steps": self._total_steps,
+            "bytes": network.total_bytes,
+            "messages": sum(network.messages_sent),
+            "bytes_by_node": list(network.bytes_sent),
+            "final": {key: value for key, value in final.items() if key not in ("time", "steps", "bytes", "messages")},
+            "protocol_metrics": self.protocol.metrics(),
+            # Virtual seconds workers spent waiting for the protocol (transfers, barriers), per worker.
+            "wait_seconds_per_worker": sum(wait["seconds"] for wait in self.result.waits) / self.num_workers,
+            "wall_seconds": wall_seconds,
+            "compute_wall_seconds": compute_wall,
+            "evaluation_wall_seconds": self._eval_wall,
+            # Simulator overhead: wall time not spent in evaluation, per second of real compute it ran.
+            "overhead_ratio": (wall_seconds - self._eval_wall) / compute_wall if compute_wall > 0 else math.nan,
+            "mean_step_wall_seconds": sum(n.wall_compute_seconds for n in nodes[: self.num_workers])
+            / max(self._total_steps, 1),
+        }
