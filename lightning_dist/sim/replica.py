@@ -128,15 +128,20 @@ class Evaluator:
 
     The returned metrics are what the module logs (``val_loss``, ``val_acc`` for the embedded
     models), reduced as Lightning reduces them at epoch end: tensors by their per-example mean,
-    torchmetrics Metrics by ``compute()``.
+    torchmetrics Metrics by ``compute()``. A validation DataLoader is re-batched in batches of
+    ``batch_size`` (same dataset, order and collate function).
     """
 
-    def __init__(self, template: L.LightningModule, batches: Iterable[Any]) -> None:
+    def __init__(self, template: L.LightningModule, batches: Iterable[Any], batch_size: int = 1024) -> None:
         self.module = copy.deepcopy(template)
         self.module.eval()
         self.recorder = _LogRecorder()
         self.module.log = self.recorder
         self.vector = ModelVector(self.module)
+        if isinstance(batches, DataLoader) and batches.batch_size is not None and batches.batch_size < batch_size:
+            # Per-example means and Metric counts do not depend on the batch size; large batches make
+            # the many evaluations of a simulation (every worker, every few steps) cheap.
+            batches = DataLoader(batches.dataset, batch_size=batch_size, collate_fn=batches.collate_fn)
         self.batches = list(batches)
 
     @torch.no_grad()

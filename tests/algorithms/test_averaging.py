@@ -114,6 +114,21 @@ def test_huge_threshold_touches_nothing_and_tiny_threshold_averages_all():
     assert all(torch.allclose(model, mean) for model in averaged) and torch.allclose(ref, mean)
 
 
+def test_balance_models_reports_each_round_of_model_fetches():
+    # Rank 0 far off, the rest at the reference: B = {0}; its mean still violates, so B grows by
+    # 2|B| = 2 random ranks (3 of 8 < half); still violating, the next growth would pass half of the
+    # ranks, so it is a full sync without testing (or fetching for) that last augmentation.
+    models = [torch.full((3,), 10.0, dtype=torch.float64)] + [torch.zeros(3, dtype=torch.float64)] * 7
+    fetches = []
+    _, _, balancing_set, _ = balance_models(
+        models, torch.zeros(3, dtype=torch.float64), [0], 1.0, 0, torch.Generator().manual_seed(0), fetches.append
+    )
+    assert fetches[0] == [0]
+    assert len(fetches[1]) == 2 and 0 not in fetches[1]
+    assert balancing_set == list(range(8))
+    assert len(fetches) == 2
+
+
 def test_fedavg_participants():
     generator = torch.Generator().manual_seed(0)
     chosen = sample_participants(10, 0.3, generator)

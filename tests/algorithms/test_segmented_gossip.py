@@ -8,7 +8,9 @@ import torch
 from lightning_dist.algorithms.segmented_gossip import (
     aggregate,
     gossip_round,
+    mixed_from_pulls,
     mixed_models,
+    pack_segments,
     pull_plan,
     segment_bounds,
     transfers,
@@ -166,3 +168,20 @@ def test_aggregate_rejects_self_or_repeated_providers_and_bad_shapes():
         aggregate(models[0], torch.zeros(1, 4), torch.tensor([[1]]), bounds, sizes, rank=0)
     with pytest.raises(ValueError, match=r"mixed must hold one model of 4 elements per replica \(1\)"):
         aggregate(models[0], torch.zeros(2, 4), torch.tensor([[1], [2]]), bounds, sizes, rank=0)
+
+
+def test_packed_link_messages_rebuild_the_mixed_models():
+    # What a puller rebuilds from the messages its providers pack equals mixed_models on all models.
+    models = torch.randn(6, 23, generator=torch.Generator().manual_seed(1))
+    bounds = segment_bounds(23, 4)
+    plan = _plan(6, 4, 2)
+    links = transfers(plan)
+    for puller in range(6):
+        pulls = {
+            provider: (segments, pack_segments(models[provider], bounds, segments))
+            for (provider, target), segments in links.items()
+            if target == puller
+        }
+        rebuilt = mixed_from_pulls(models[puller], plan[puller], bounds, pulls)
+        assert torch.equal(rebuilt, mixed_models(models, plan[puller], bounds))
+    assert pack_segments(torch.arange(10.0), segment_bounds(10, 3), [0, 2]).tolist() == [0, 1, 2, 3, 7, 8, 9]

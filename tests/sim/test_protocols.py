@@ -1,0 +1,150 @@
+"""Each protocol in the simulator does what its algorithms/ definition says, checked at a round."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.algorithms.segmented_gossip import gossip_round
+from lightning_dist.sim import (
+    DynamicAveraging,
+    NetworkModel,
+    NonFiniteModelError,
+    ParameterServer,
+    PeriodicAveraging,
+    SegmentedGossip,
+    SpeedModel,
+)
+from sim.helpers import simulation
+
+
+class Snapshots:
+    """Mixin: keep every worker's model as it enters each communicating step (before the protocol)."""
+
+    def after_step(self, node, rank, step):
+        self.snapshots.setdefault(step, {})[rank] = self.simulation.replicas[rank].get()
+        yield from super().after_step(node, rank, step)
+
+    def setup(self, simulation):
+        super().setup(simulation)
+        self.snapshots = {}
+
+
+class SnapshotGossip(Snapshots, SegmentedGossip):
+    pass
+
+
+class SnapshotPeriodic(Snapshots, PeriodicAveraging):
+    pass
+
+
+def test_segmented_gossip_round_equals_gossip_round_of_the_models_entering_it():
+    protocol = SnapshotGossip(segments=3, replicas=2, period=5)
+    sim = simulation(protocol, workers=5, max_steps=5)
+    sim.run()
+    before = torch.stack([protocol.snapshots[5][rank] for rank in range(5)])
+    plan, _ = protocol.plan(1)
+    expected = gossip_round(before, plan, protocol.bounds, sim.dataset_sizes)
+    after = torch.stack([replica.get() for replica in sim.replicas])
+    assert torch.equal(after, expected)
+    assert not torch.equal(after, before)
+    # Each worker received S * R segments = R models' worth of elements.
+    assert sim.simulator.network.total_bytes == 5 * 2 * before[0].nbytes
+
+
+def test_periodic_averaging_replaces_every_model_by_the_mean():
+    protocol = SnapshotPeriodic(period=4)
+    sim = simulation(protocol, workers=3, max_steps=4)
+    sim.run()
+    mean = weighted_average([protocol.snapshots[4][rank] for rank in range(3)])
+    for replica in sim.replicas:
+        assert torch.equal(replica.get(), mean)
+
+
+def test_fedavg_averages_only_the_round_participants():
+    protocol = SnapshotPeriodic(period=4, client_fraction=0.5)
+    sim = simulation(protocol, workers=4, max_steps=4)
+    sim.run()
+    participants = protocol.participants(1)
+    assert len(participants) == 2
+    mean = weighted_average([protocol.snapshots[4][rank] for rank in participants])
+    for rank, replica in enumerate(sim.replicas):
+        expected = mean if rank in participants else protocol.snapshots[4][rank]
+        assert torch.equal(replica.get(), expected)
+
+
+def test_synchronous_parameter_server_keeps_every_worker_on_the_global_model():
+    protocol = ParameterServer(push_every=2, synchronous=True)
+    sim = simulation(protocol, workers=3, max_steps=6)
+    initial = sim.model.parameters()
+    sim.run()
+    for replica in sim.replicas:
+        assert torch.equal(replica.get(), protocol.store.vector)
+    assert protocol.store.version == 3 * 3
+    assert not torch.equal(protocol.store.vector, torch.cat([p.detach().reshape(-1) for p in initial]))
+
+
+def test_async_parameter_server_lets_fast_workers_run_ahead_of_a_straggler():
+    def finish_times(synchronous):
+        speed = SpeedModel(step_seconds=0.01, aggregate_seconds=0.0, slowdown={0: 4.0})
+        sim = simulation(ParameterServer(push_every=1, synchronous=synchronous), workers=3, max_steps=10, speed=speed)
+        sim.run()
+        last = {}
+        for wait in sim.result.waits:
+            last[wait["worker"]] = wait["start"] + wait["seconds"]
+        return last
+
+    asynchronous, synchronous = finish_times(False), finish_times(True)
+    # Async: workers 1 and 2 finish their 10 steps in about 10 * 0.01 s, the straggler in about 10 * 0.04 s.
+    assert asynchronous[1] < 0.15 and asynchronous[2] < 0.15 and asynchronous[0] > 0.4
+    # Sync: every round waits for the straggler.
+    assert min(synchronous.values()) > 0.4
+
+
+def test_dynamic_averaging_never_syncs_under_a_huge_threshold_and_always_under_a_tiny_one():
+    quiet = DynamicAveraging(divergence_threshold=1e9, check_every=5)
+    sim = simulation(quiet, workers=4, max_steps=10)
+    sim.run()
+    assert quiet.counts == {"checks": 2, "violations": 0, "full_syncs": 0, "partial_syncs": 0}
+    # Per check: an 8-byte distance from each worker and a 1-byte answer to each.
+    assert sim.simulator.network.total_bytes == 2 * 4 * (8 + 1)
+
+    eager = DynamicAveraging(divergence_threshold=1e-12, check_every=5)
+    sim = simulation(eager, workers=4, max_steps=10)
+    sim.run()
+    assert eager.counts["full_syncs"] == 2
+    first = sim.replicas[0].get()
+    for replica in sim.replicas[1:]:
+        assert torch.equal(replica.get(), first)
+    assert torch.equal(eager.reference, sim.replicas[0].vector.parameters_of(first))
+
+
+class PoisonWorker:
+    """Mixin: worker 2's model turns NaN at step 3."""
+
+    def after_step(self, node, rank, step):
+        if rank == 2 and step == 3:
+            replica = self.simulation.replicas[rank]
+            replica.set(torch.full_like(replica.get(), math.nan))
+        yield from super().after_step(node, rank, step)
+
+
+@pytest.mark.parametrize(
+    ("base", "arguments"),
+    [
+        (SegmentedGossip, {"segments": 2, "replicas": 1, "period": 3}),
+        (PeriodicAveraging, {"period": 3}),
+        (DynamicAveraging, {"check_every": 3}),
+        (ParameterServer, {"push_every": 3}),
+    ],
+)
+def test_a_non_finite_worker_stops_the_run_naming_it(base, arguments):
+    protocol = type("Poisoned", (PoisonWorker, base), {})(**arguments)
+    with pytest.raises((NonFiniteModelError, RuntimeError), match="2"):
+        simulation(protocol, workers=3, max_steps=6, network=NetworkModel()).run()
+
+
+def test_segmented_gossip_refuses_more_replicas_than_peers():
+    with pytest.raises(ValueError, match="replicas"):
+        simulation(SegmentedGossip(replicas=3), workers=3)
