@@ -29,7 +29,15 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_steps
 from lightning_dist.algorithms.averaging import weighted_average
+
+
+def check_gossip_arguments(segments: object, replicas: object, period: object) -> None:
+    """Segmented gossip's ``S``, ``R`` and ``tau``: integers >= 1 (``R < m`` is checked once ``m`` is known)."""
+    check_steps("segments", segments, "segments the model vector is split into")
+    check_steps("replicas", replicas, "peers each segment is pulled from")
+    check_steps("period", period, "optimizer steps between gossip rounds")
 
 
 def _check_count(name: str, value: object, minimum: int, maximum: int | None = None, meaning: str = "") -> int:

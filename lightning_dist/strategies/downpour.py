@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_flag, check_steps
 from lightning_dist.algorithms.parameter_server import GlobalModel, accumulated_update, check_max_staleness
 from lightning_dist.comm import CommStats, Communicator, new_group
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
@@ -64,10 +65,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         finish_timeout: float = 1800.0,
         **kwargs: Any,
     ) -> None:
-        if isinstance(push_every, bool) or not isinstance(push_every, int) or push_every < 1:
-            raise ValueError(f"push_every must be an integer >= 1 (optimizer steps between pushes); got {push_every!r}")
-        if not isinstance(synchronous, bool):
-            raise ValueError(f"synchronous must be True or False; got {synchronous!r}")
+        check_steps("push_every", push_every, "optimizer steps between pushes")
+        check_flag("synchronous", synchronous)
         check_max_staleness(max_staleness)
         if not (isinstance(finish_timeout, (int, float)) and finish_timeout > 0):
             raise ValueError(f"finish_timeout must be a number of seconds > 0; got {finish_timeout!r}")

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_divergence_threshold, check_steps
 from lightning_dist.algorithms.averaging import local_condition_holds, plan_balancing
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
@@ -44,16 +45,10 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     def __init__(
         self, divergence_threshold: float = 0.7, check_every: int = 10, seed: int = 0, **kwargs: Any
     ) -> None:
-        if isinstance(divergence_threshold, bool) or not isinstance(divergence_threshold, (int, float)) or not (
-            math.isfinite(divergence_threshold) and divergence_threshold > 0
-        ):
-            raise ValueError(
-                f"divergence_threshold must be a finite number > 0 (squared L2 distance); got {divergence_threshold!r}"
-            )
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
-            raise ValueError(f"check_every must be an integer >= 1 (optimizer steps between checks); got {check_every!r}")
+        divergence_threshold = check_divergence_threshold(divergence_threshold)
+        check_every = check_steps("check_every", check_every, "optimizer steps between checks")
         super().__init__(seed=seed, **kwargs)
-        self.divergence_threshold = float(divergence_threshold)
+        self.divergence_threshold = divergence_threshold
         self.check_every = check_every
         self._reference: Tensor | None = None
         self._violation_counter = 0

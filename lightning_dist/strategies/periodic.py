@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from lightning_dist.algorithms.arguments import check_client_fraction, check_steps
 from lightning_dist.algorithms.averaging import sample_participants
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
@@ -29,13 +29,11 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
     strategy_name = "periodic_avg"
 
     def __init__(self, period: int = 10, client_fraction: float = 1.0, seed: int = 0, **kwargs: Any) -> None:
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"period must be an integer >= 1 (optimizer steps between averagings); got {period!r}")
-        if not (isinstance(client_fraction, (int, float)) and math.isfinite(client_fraction) and 0 < client_fraction <= 1):
-            raise ValueError(f"client_fraction must lie in (0, 1]; got {client_fraction!r}")
+        period = check_steps("period", period, "optimizer steps between averagings")
+        client_fraction = check_client_fraction(client_fraction)
         super().__init__(seed=seed, **kwargs)
         self.period = period
-        self.client_fraction = float(client_fraction)
+        self.client_fraction = client_fraction
 
     def after_local_step(self, step: int) -> None:
         if step % self.period != 0:

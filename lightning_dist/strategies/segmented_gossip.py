@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dist.algorithms.segmented_gossip import (
     aggregate,
+    check_gossip_arguments,
     mixed_from_pulls,
     pack_segments,
     pull_plan,
@@ -59,13 +60,7 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
     strategy_name = "segmented_gossip"
 
     def __init__(self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0, **kwargs: Any) -> None:
-        for name, value, meaning in (
-            ("segments", segments, "segments the model vector is split into"),
-            ("replicas", replicas, "peers each segment is pulled from"),
-            ("period", period, "optimizer steps between gossip rounds"),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1 ({meaning}); got {value!r}")
+        check_gossip_arguments(segments, replicas, period)
         super().__init__(seed=seed, **kwargs)
         self.segments = segments
         self.replicas = replicas

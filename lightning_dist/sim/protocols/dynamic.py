@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from lightning_dist.algorithms.arguments import check_divergence_threshold, check_steps
 from lightning_dist.algorithms.averaging import balance_models, squared_distance
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol
@@ -38,16 +39,8 @@ class DynamicAveraging(Protocol):
     arguments = ("divergence_threshold", "check_every", "seed")
 
     def __init__(self, divergence_threshold: float = 0.7, check_every: int = 10, seed: int = 0) -> None:
-        if isinstance(divergence_threshold, bool) or not isinstance(divergence_threshold, (int, float)) or not (
-            math.isfinite(divergence_threshold) and divergence_threshold > 0
-        ):
-            raise ValueError(
-                f"divergence_threshold must be a finite number > 0 (squared L2 distance); got {divergence_threshold!r}"
-            )
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
-            raise ValueError(f"check_every must be an integer >= 1 (steps between checks); got {check_every!r}")
-        self.divergence_threshold = float(divergence_threshold)
-        self.check_every = check_every
+        self.divergence_threshold = check_divergence_threshold(divergence_threshold)
+        self.check_every = check_steps("check_every", check_every, "steps between checks")
         self.seed = seed
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ from typing import Optional
 
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_flag, check_steps
 from lightning_dist.algorithms.parameter_server import (
     GlobalModel,
     accumulated_update,
@@ -36,13 +37,9 @@ class ParameterServer(Protocol):
     arguments = ("push_every", "synchronous", "max_staleness")
 
     def __init__(self, push_every: int = 5, synchronous: bool = False, max_staleness: Optional[int] = None) -> None:
-        if isinstance(push_every, bool) or not isinstance(push_every, int) or push_every < 1:
-            raise ValueError(f"push_every must be an integer >= 1 (local steps between pushes); got {push_every!r}")
-        if not isinstance(synchronous, bool):
-            raise ValueError(f"synchronous must be a bool; got {synchronous!r}")
+        self.push_every = check_steps("push_every", push_every, "local steps between pushes")
+        self.synchronous = check_flag("synchronous", synchronous)
         check_max_staleness(max_staleness)
-        self.push_every = push_every
-        self.synchronous = synchronous
         self.max_staleness = max_staleness
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]

@@ -10,10 +10,9 @@ an all-reduce (or, for ``C < 1``, a star through the lowest participant): only t
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from lightning_dist.algorithms.arguments import check_client_fraction, check_steps
 from lightning_dist.algorithms.averaging import sample_participants, weighted_average
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol
@@ -32,14 +31,8 @@ class PeriodicAveraging(Protocol):
     arguments = ("period", "client_fraction", "seed")
 
     def __init__(self, period: int = 10, client_fraction: float = 1.0, seed: int = 0) -> None:
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"period must be an integer >= 1 (local steps between averagings); got {period!r}")
-        if not (
-            isinstance(client_fraction, (int, float)) and math.isfinite(client_fraction) and 0 < client_fraction <= 1
-        ):
-            raise ValueError(f"client_fraction must lie in (0, 1]; got {client_fraction!r}")
-        self.period = period
-        self.client_fraction = float(client_fraction)
+        self.period = check_steps("period", period, "local steps between averagings")
+        self.client_fraction = check_client_fraction(client_fraction)
         self.seed = seed
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]

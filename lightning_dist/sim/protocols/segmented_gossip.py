@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_dist.algorithms.segmented_gossip import (
     aggregate,
+    check_gossip_arguments,
     mixed_from_pulls,
     pack_segments,
     pull_plan,
@@ -39,9 +40,7 @@ class SegmentedGossip(Protocol):
     arguments = ("segments", "replicas", "period", "seed")
 
     def __init__(self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0) -> None:
-        for name, value in (("segments", segments), ("replicas", replicas), ("period", period)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        check_gossip_arguments(segments, replicas, period)
         self.segments = segments
         self.replicas = replicas
         self.period = period
