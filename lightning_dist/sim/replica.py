@@ -93,7 +93,8 @@ class Replica:
     def examples_per_epoch(self) -> int:
         return len(self.loader.sampler)
 
-    def _next_batch(self) -> Any:
+    def next_batch(self) -> Any:
+        """The next training batch; a new epoch (``set_epoch``, a fresh iterator) when one ends."""
         while True:
             if self._batches is None:
                 if hasattr(self.loader.sampler, "set_epoch"):
@@ -105,9 +106,8 @@ class Replica:
                 self._batches = None
                 self.epoch += 1
 
-    def step(self) -> float:
-        """One optimizer step on the next batch; returns the training loss."""
-        batch = self._next_batch()
+    def step(self, batch: Any) -> float:
+        """One optimizer step on ``batch``; returns the training loss."""
         self.optimizer.zero_grad(set_to_none=True)
         output = self.module.training_step(batch, self.steps)
         loss = output["loss"] if isinstance(output, dict) else output

@@ -12,11 +12,14 @@ from typing import Any, Optional
 from lightning_dist.sim.simulation import SimulationResult
 
 
-def first_reaching(rows: Sequence[dict[str, float]], key: str, target: float, axis: str = "time") -> Optional[float]:
-    """``axis`` of the first row whose ``key`` is at least ``target``; None if no row reaches it."""
+def first_reaching(
+    rows: Sequence[dict[str, float]], key: str, target: float, axis: str = "time", lower_is_better: bool = False
+) -> Optional[float]:
+    """``axis`` of the first row whose ``key`` reaches ``target`` (at least it, or at most it with
+    ``lower_is_better``, for a loss); None if no row reaches it."""
     for row in rows:
         value = row.get(key, math.nan)
-        if not math.isnan(value) and value >= target:
+        if not math.isnan(value) and (value <= target if lower_is_better else value >= target):
             return row[axis]
     return None
 

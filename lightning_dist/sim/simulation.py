@@ -143,6 +143,7 @@ class Simulation:
         self._losses: list[list[float]] = [[] for _ in range(self.num_workers)]
         self._eval_wall = 0.0
         self.simulator.start()
+        self._setup_wall = time.perf_counter() - wall_start
         self._evaluate()
         virtual_seconds = self.simulator.run(until=self.max_virtual_seconds)
         if self.result.rows[-1]["time"] != virtual_seconds or self.result.rows[-1]["steps"] != self._total_steps:
@@ -154,7 +155,10 @@ class Simulation:
         rank = node.index
         replica = self.replicas[rank]
         for step in range(1, self.max_steps + 1):
-            loss = yield from node.execute(replica.step)
+            # Loading the batch is not part of the step's compute: tiny shards would start a new epoch
+            # (a fresh loader iterator) almost every step, a cost that grows with the worker count.
+            batch = replica.next_batch()
+            loss = yield from node.execute(replica.step, batch)
             self._losses[rank].append(loss)
             self._total_steps += 1
             if self._total_steps >= self._next_eval:
@@ -235,8 +239,12 @@ class Simulation:
             "wall_seconds": wall_seconds,
             "compute_wall_seconds": compute_wall,
             "evaluation_wall_seconds": self._eval_wall,
-            # Simulator overhead: wall time not spent in evaluation, per second of real compute it ran.
-            "overhead_ratio": (wall_seconds - self._eval_wall) / compute_wall if compute_wall > 0 else math.nan,
+            "setup_wall_seconds": self._setup_wall,
+            # Simulator overhead: the run's wall time (set-up and evaluation left out) per second of the
+            # real compute it ran (the training steps and the servers' aggregations inside execute).
+            "overhead_ratio": (wall_seconds - self._eval_wall - self._setup_wall) / compute_wall
+            if compute_wall > 0
+            else math.nan,
             "mean_step_wall_seconds": sum(n.wall_compute_seconds for n in nodes[: self.num_workers])
             / max(self._total_steps, 1),
         }

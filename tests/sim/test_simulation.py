@@ -67,3 +67,13 @@ def test_unknown_protocol_and_bad_protocol_arguments_are_refused():
         make_protocol("dynamic_avg", divergence_threshold=0)
     with pytest.raises(ValueError, match="segments"):
         make_protocol("segmented_gossip", segments=0)
+
+
+def test_first_reaching_finds_the_first_row_at_the_target():
+    from lightning_dist.sim.report import first_reaching
+
+    rows = [{"time": 0.0, "val_acc": 0.1, "val_loss": 2.0}, {"time": 1.0, "val_acc": 0.6, "val_loss": 1.2},
+            {"time": 2.0, "val_acc": 0.8, "val_loss": 0.9}]
+    assert first_reaching(rows, "val_acc", 0.6) == 1.0
+    assert first_reaching(rows, "val_acc", 0.9) is None
+    assert first_reaching(rows, "val_loss", 1.0, lower_is_better=True) == 2.0
