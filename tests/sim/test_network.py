@@ -91,3 +91,66 @@ def test_unlimited_network_delivers_after_the_latency_only():
 def test_bad_network_parameters_are_refused_by_name(arguments, name):
     with pytest.raises(ValueError, match=name):
         NetworkModel(**arguments)
+
+
+@pytest.mark.parametrize("half_duplex", [False, True])
+def test_random_traffic_respects_the_caps_is_greedy_and_first_come_first_served(half_duplex):
+    # 6 nodes, 3 lanes per port (30 / 10 Mbit/s), 80 transfers of random sizes posted at random times.
+    import random
+
+    model = NetworkModel(latency=0.01, node_mbit=30, link_mbit=10, half_duplex_links=half_duplex)
+    rng = random.Random(7)
+    plan = []
+    for _ in range(80):
+        source = rng.randrange(6)
+        target = rng.choice([node for node in range(6) if node != source])
+        plan.append((rng.uniform(0, 2), source, target, rng.randrange(1, 5) * 125_000))
+    simulator = Simulator(model)
+    records = []
+
+    def program(node):
+        for posted, source, target, nbytes in sorted(plan):
+            if source != node.index:
+                continue
+            yield node.sleep(posted - node.now)
+            event = node.send(target, None, nbytes=nbytes)
+            record = {"posted": posted, "source": source, "target": target, "nbytes": nbytes}
+            records.append(record)
+            event.callbacks.append(lambda _event, record=record: record.__setitem__("arrived", simulator.env.now))
+
+    for index in range(6):
+        simulator.add_node(f"n{index}", program)
+    simulator.run()
+    for record in records:
+        record["end"] = record["arrived"] - model.latency
+        record["start"] = record["end"] - model.transmission_seconds(record["nbytes"])
+        record["link"] = frozenset((record["source"], record["target"])) if half_duplex else (
+            record["source"], record["target"])
+        assert record["start"] >= record["posted"] - 1e-9
+
+    def full_on(t, record):
+        """Whether one of the record's sender, receiver or link is fully used just after time t."""
+        active = [other for other in records if other["start"] <= t + 1e-9 and other["end"] > t + 1e-9]
+        return (
+            sum(other["source"] == record["source"] for other in active) >= model.lanes
+            or sum(other["target"] == record["target"] for other in active) >= model.lanes
+            or any(other["link"] == record["link"] for other in active)
+        )
+
+    times = sorted({value for record in records for value in (record["posted"], record["start"], record["end"])})
+    for record in records:
+        # Never more than `lanes` transfers per port, one per link.
+        at_start = [o for o in records if o["start"] <= record["start"] + 1e-9 < o["end"]]
+        assert sum(o["source"] == record["source"] for o in at_start) <= model.lanes
+        assert sum(o["target"] == record["target"] for o in at_start) <= model.lanes
+        assert sum(o["link"] == record["link"] for o in at_start) == 1
+        # Greedy: while it waited, something it needed was busy.
+        for t in times:
+            if record["posted"] <= t < record["start"] - 1e-9:
+                assert full_on(t, record), (record, t)
+    # First come, first served between the same sender and receiver (which need the same resources).
+    for first in records:
+        for second in records:
+            same_pair = (first["source"], first["target"]) == (second["source"], second["target"])
+            if same_pair and first["posted"] < second["posted"]:
+                assert first["start"] <= second["start"] + 1e-9
