@@ -36,7 +36,7 @@ virtual time and iterations to ``val_loss <= TARGET_LOSS`` and to ``val_acc >= T
 latency and 4/2 workers. The scale part runs 64-512 virtual workers for ``SCALE_STEPS`` steps
 (asynchronous PS at ``0.1 / workers``, and periodic averaging with period 10) and reports the wall
 seconds, the wall seconds of real compute inside ``execute`` (training steps and server updates),
-of evaluation, and the overhead ratio ``(wall - evaluation) / compute`` (setup included).
+of evaluation and of set-up, and the overhead ratio ``(wall - evaluation - set-up) / compute``.
 
 Outputs (``--out``, default ``benchmarks/results``): ``sim_paper001.json`` (config with the
 calibration, summary tables, every run's curve: virtual time, iterations, train_loss, val_loss,
@@ -44,7 +44,7 @@ val_acc) and ``sim_paper001.png``.
 
 Usage::
 
-    python benchmarks/sim_paper001.py             # the full study and scale test, about 10 min on 2 cores
+    python benchmarks/sim_paper001.py             # the full study and scale test, about 6 min on 2 shared cores
     python benchmarks/sim_paper001.py --quick     # smoke run: few steps, fewer runs (about 1 min)
     python benchmarks/sim_paper001.py --replot    # recompute summaries, redraw the figure and tables from the JSON
 """
@@ -137,8 +137,8 @@ def simulate(name: str, part: str, protocol: dict[str, Any], workers: int, lr: f
         summary, rows = {}, simulation.result.rows
     record["wall_seconds_total"] = time.perf_counter() - started
     for key in ("virtual_seconds", "bytes", "messages", "wall_seconds", "compute_wall_seconds",
-                "evaluation_wall_seconds", "overhead_ratio", "mean_step_wall_seconds", "wait_seconds_per_worker",
-                "model_bytes", "num_parameters", "steps"):
+                "evaluation_wall_seconds", "setup_wall_seconds", "overhead_ratio", "mean_step_wall_seconds",
+                "wait_seconds_per_worker", "model_bytes", "num_parameters", "steps"):
         if key in summary:
             record[key] = _round(summary[key]) if isinstance(summary[key], float) else summary[key]
     if summary:
@@ -262,6 +262,8 @@ def run_summary(record: dict[str, Any]) -> dict[str, Any]:
         "final_train_loss": final.get("train_loss"),
         "tail_val_loss": sum(losses[-TAIL:]) / len(losses[-TAIL:]) if losses else None,
         "min_val_loss": min(losses) if losses else None,
+        "max_val_loss": max(losses) if losses else None,
+        "initial_val_loss": losses[0] if losses else None,
         "time_to_loss": first_at(rows, "val_loss", TARGET_LOSS, True, "time"),
         "iters_to_loss": first_at(rows, "val_loss", TARGET_LOSS, True, "mean_steps"),
         "time_to_acc": first_at(rows, "val_acc", TARGET_ACC, False, "time"),
@@ -346,7 +348,12 @@ def tables(summary: dict[str, Any], config: dict[str, Any]) -> str:
               "iters to loss | t to acc | iters to acc | staleness | note |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
-        note = r["status"] if r["status"] != "ok" else ("stalled" if r["stalled"] else "")
+        notes = [r["status"]] if r["status"] != "ok" else []
+        if r.get("max_val_loss") is not None and r["max_val_loss"] > 1.5 * r["initial_val_loss"]:
+            notes.append(f"val_loss spiked to {r['max_val_loss']:.3g}")
+        if r["stalled"]:
+            notes.append("stalled (last-5 val_loss > 0.97 x initial)")
+        note = "; ".join(notes)
         lines.append(f"| {r['name']} | {_f(r['learning_rate'], '.4g')} | {_f(r['iterations'], '.0f')} | "
                      f"{_f(r['virtual_seconds'], '.4g')} | {_f(r['final_val_loss'])} | {_f(r['tail_val_loss'])} | "
                      f"{_f(r['final_val_acc'])} | {_f(r['time_to_loss'], '.3g')} | {_f(r['iters_to_loss'], '.0f')} | "
@@ -368,7 +375,7 @@ def tables(summary: dict[str, Any], config: dict[str, Any]) -> str:
                      f"{_f(r['virtual_seconds_4_over_2'])} | {_f(r['tail_val_loss_2'])} | {_f(r['tail_val_loss_4'])} |")
     if summary["scale"]:
         lines += ["", "scale (wall time is real; compute = wall seconds inside execute):", "",
-                  ("| protocol | workers | steps/worker | wall s | compute s | eval s | overhead (wall-eval)/compute | "
+                  ("| protocol | workers | steps/worker | wall s | compute s | eval s | overhead (wall-eval-setup)/compute | "
                    "wall ms/step | virtual s |"), "|---|---|---|---|---|---|---|---|---|"]
         for r in summary["scale"]:
             lines.append(f"| {r['mode']} | {r['workers']} | {r['steps_per_worker']} | {_f(r['wall_seconds'], '.1f')} | "
@@ -429,7 +436,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         curve(axis, record, "mean_steps", color=f"C{index}", label=label)
     if baseline:
         curve(axis, baseline, "mean_steps", color="k", linestyle=":", label="1 worker")
-    axis.set(xlabel="iterations per worker", ylabel="global val_loss",
+    axis.set(xlabel="iterations per worker", ylabel="global val_loss (log)", yscale="log",
              title=f"async, {1000 * ASYNC_LATENCY:g} ms, unscaled lr 0.1 (paper's Fig. 14)")
     axis.legend(fontsize=7)
     axis = axes[2, 3]

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import lightning as L
 import torch
 from torch import Tensor
+from simpy.core import StopSimulation
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.algorithms.averaging import weighted_average
@@ -73,6 +75,8 @@ class Simulation:
         eval_every: evaluate the global model each time the workers have taken this many more
             steps on average, ``>= 1``; also at the start and the end.
         evaluate_workers: also evaluate every worker's own model at those points.
+        stop_when: called with the global rows after every evaluation; the run stops (at that
+            virtual instant) once it returns True, e.g. a few evaluations after a target accuracy.
         seed: seeds torch before the run (dropout, and anything else drawn from torch's default generator).
     """
 
@@ -88,6 +92,7 @@ class Simulation:
         max_virtual_seconds: Optional[float] = None,
         eval_every: int = 10,
         evaluate_workers: bool = True,
+        stop_when: Optional[Callable[[list[dict[str, float]]], bool]] = None,
         seed: int = 0,
     ) -> None:
         self.num_workers = _check_count("workers", workers, 1)
@@ -109,6 +114,7 @@ class Simulation:
         self.speed = speed if speed is not None else SpeedModel()
         self.max_virtual_seconds = max_virtual_seconds
         self.evaluate_workers = evaluate_workers
+        self.stop_when = stop_when
         self.seed = seed
         self.server = self.num_workers
 
@@ -201,6 +207,11 @@ class Simulation:
             losses.clear()
         self._next_eval = self._total_steps + self.eval_every * self.num_workers
         self._eval_wall += time.perf_counter() - start
+        if self.stop_when is not None and self.stop_when(self.result.rows):
+            # How simpy's own run(until=...) ends a run: an event whose callback raises StopSimulation.
+            stop = self.simulator.env.event()
+            stop.callbacks.append(StopSimulation.callback)
+            stop.succeed()
 
     def _summary(self, virtual_seconds: float, wall_seconds: float) -> dict[str, Any]:
         nodes = self.simulator.nodes

@@ -77,3 +77,10 @@ def test_first_reaching_finds_the_first_row_at_the_target():
     assert first_reaching(rows, "val_acc", 0.6) == 1.0
     assert first_reaching(rows, "val_acc", 0.9) is None
     assert first_reaching(rows, "val_loss", 1.0, lower_is_better=True) == 2.0
+
+
+def test_stop_when_ends_the_run_at_the_evaluation_that_asks_for_it():
+    result = simulation(PeriodicAveraging(period=5), workers=2, max_steps=100, eval_every=5,
+                        stop_when=lambda rows: rows[-1]["mean_steps"] >= 20).run()
+    assert 20 <= result.summary["steps"] / 2 < 25
+    assert result.rows[-1]["mean_steps"] < 25

@@ -87,7 +87,9 @@ class SegmentedGossip(Protocol):
             message = yield node.recv(tag=tag)
             received[message.source] = (pulls[message.source], message.payload)
         mixed = mixed_from_pulls(local, plan[rank], self.bounds, received)
-        replica.set(aggregate(local, mixed, plan[rank], self.bounds, self.simulation.dataset_sizes, rank))
+        sizes = self.simulation.dataset_sizes
+        merged = yield from node.execute(aggregate, local, mixed, plan[rank], self.bounds, sizes, rank, kind="aggregate")
+        replica.set(merged)
         if rank == 0:
             self.rounds_done += 1
 
