@@ -375,7 +375,8 @@ def tables(summary: dict[str, Any], config: dict[str, Any]) -> str:
                      f"{_f(r['virtual_seconds_4_over_2'])} | {_f(r['tail_val_loss_2'])} | {_f(r['tail_val_loss_4'])} |")
     if summary["scale"]:
         lines += ["", "scale (wall time is real; compute = wall seconds inside execute):", "",
-                  ("| protocol | workers | steps/worker | wall s | compute s | eval s | overhead (wall-eval-setup)/compute | "
+                  ("| protocol | workers | steps/worker | wall s | compute s | eval s "
+                   "| overhead (wall-eval-setup)/compute | "
                    "wall ms/step | virtual s |"), "|---|---|---|---|---|---|---|---|---|"]
         for r in summary["scale"]:
             lines.append(f"| {r['mode']} | {r['workers']} | {r['steps_per_worker']} | {_f(r['wall_seconds'], '.1f')} | "
@@ -405,7 +406,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     for line, y in enumerate(("val_loss", "train_loss")):
         ylabel = "global model val_loss" if y == "val_loss" else "workers' mean train_loss (since last eval)"
-        for column, (x, label) in enumerate((("time", "virtual time (s, log)"), ("mean_steps", "iterations per worker"))):
+        axes_x = (("time", "virtual time (s, log)"), ("mean_steps", "iterations per worker"))
+        for column, (x, label) in enumerate(axes_x):
             for offset, workers in enumerate(STUDY_WORKERS):
                 axis = axes[line, 2 * column + offset]
                 for record in runs:
@@ -423,10 +425,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for column, (x, label) in enumerate((("time", "virtual time (s, log)"), ("mean_steps", "iterations per worker"))):
         axis = axes[2, column]
         for index, record in enumerate(r for r in runs if r["part"] == "async_scaled"):
-            curve(axis, record, x, color=f"C{index}", label=f"{record['workers']} workers, lr {record['learning_rate']:.3g}")
+            legend = f"{record['workers']} workers, lr {record['learning_rate']:.3g}"
+            curve(axis, record, x, color=f"C{index}", label=legend)
         if baseline:
             curve(axis, baseline, x, color="k", linestyle=":", label="1 worker, lr 0.1")
-        axis.set(xlabel=label, ylabel="global val_loss", title=f"async, {1000 * ASYNC_LATENCY:g} ms, lr = 0.1 / workers")
+        title = f"async, {1000 * ASYNC_LATENCY:g} ms, lr = 0.1 / workers"
+        axis.set(xlabel=label, ylabel="global val_loss", title=title)
         if x == "time":
             axis.set_xscale("log")
         axis.legend(fontsize=7)
@@ -457,7 +461,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         axis.grid(alpha=0.3)
     speed = report["config"].get("speed", {})
     fig.suptitle(f"Paper 001 on lightning_dist.sim: MNIST-1D MLP, PS push_every=1, {NODE_MBIT:g} Mbit/s per node, "
-                 f"modelled step {speed.get('step_seconds')} s (calibrated), {report['config'].get('steps')} iterations")
+                 f"modelled step {speed.get('step_seconds')} s (calibrated), "
+                 f"{report['config'].get('steps')} iterations")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -487,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output folder")
     parser.add_argument("--quick", action="store_true", help="smoke run: few steps, fewer runs")
-    parser.add_argument("--replot", action="store_true", help="recompute summaries and redraw from the JSON; run nothing")
+    parser.add_argument("--replot", action="store_true",
+                        help="recompute summaries and redraw from the JSON; run nothing")
     parser.add_argument("--step-seconds", type=float, default=None, help="modelled step time (skips the calibration)")
     parser.add_argument("--aggregate-seconds", type=float, default=None,
                         help="modelled server update time (with --step-seconds)")
