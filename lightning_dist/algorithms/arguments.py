@@ -9,12 +9,22 @@ from __future__ import annotations
 import math
 
 
+def check_count(name: str, value: object, minimum: int, maximum: int | None = None, meaning: str = "") -> int:
+    """An integer in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None).
+
+    ``meaning`` is appended to the message as given, e.g. ``" (gossip needs a peer)"``.
+    """
+    # bool is an int subclass; True as a count is a bug, not a request for one.
+    out_of_range = isinstance(value, int) and (value < minimum or (maximum is not None and value > maximum))
+    if isinstance(value, bool) or not isinstance(value, int) or out_of_range:
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {allowed}{meaning}; got {value!r}")
+    return value
+
+
 def check_steps(name: str, value: object, meaning: str) -> int:
     """An integer ``>= 1`` (a count of optimizer steps, segments, replicas, ...)."""
-    # bool is an int subclass; True as a count is a bug, not a request for one.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 ({meaning}); got {value!r}")
-    return value
+    return check_count(name, value, 1, meaning=f" ({meaning})")
 
 
 def check_divergence_threshold(value: object) -> float:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_steps
+from lightning_dist.algorithms.arguments import check_count, check_steps
 from lightning_dist.algorithms.averaging import weighted_average
 
 
@@ -40,14 +40,6 @@ def check_gossip_arguments(segments: object, replicas: object, period: object) -
     check_steps("period", period, "optimizer steps between gossip rounds")
 
 
-def _check_count(name: str, value: object, minimum: int, maximum: int | None = None, meaning: str = "") -> int:
-    # bool is an int subclass; True as a count is a bug, not a request for one.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
-        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an integer {allowed}{meaning}; got {value!r}")
-    return value
-
-
 def segment_bounds(num_elements: int, segments: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each of ``segments`` contiguous segments covering ``range(num_elements)``.
 
@@ -55,8 +47,8 @@ def segment_bounds(num_elements: int, segments: int) -> list[tuple[int, int]]:
     as possible; the first ``num_elements % segments`` segments hold one element more. Every
     segment is non-empty, so ``segments`` may not exceed ``num_elements``.
     """
-    _check_count("num_elements", num_elements, 1)
-    _check_count("segments", segments, 1, num_elements, f" (segments of a model vector of {num_elements} elements)")
+    check_count("num_elements", num_elements, 1)
+    check_count("segments", segments, 1, num_elements, f" (segments of a model vector of {num_elements} elements)")
     size, larger = divmod(num_elements, segments)
     bounds, start = [], 0
     for segment in range(segments):
@@ -83,9 +75,9 @@ def pull_plan(world_size: int, segments: int, replicas: int, generator: torch.Ge
     Returns:
         int64 tensor of shape ``[world_size, segments, replicas]``; ``plan[i, l]`` never holds ``i``.
     """
-    _check_count("world_size", world_size, 2, meaning=" (gossip needs a peer)")
-    _check_count("segments", segments, 1)
-    _check_count("replicas", replicas, 1, world_size - 1, f" (distinct peers per segment among {world_size - 1})")
+    check_count("world_size", world_size, 2, meaning=" (gossip needs a peer)")
+    check_count("segments", segments, 1)
+    check_count("replicas", replicas, 1, world_size - 1, f" (distinct peers per segment among {world_size - 1})")
     plan = torch.empty(world_size, segments, replicas, dtype=torch.int64)
     for rank in range(world_size):
         others = [peer for peer in range(world_size) if peer != rank]

@@ -21,19 +21,13 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies.local_update import NonFiniteModelError
 
 
-class NonFiniteModelError(RuntimeError):
-    """A virtual worker's model or update is NaN or infinite; it is refused before any average uses it."""
-
-    def __init__(self, worker: int, what: str = "model") -> None:
-        super().__init__(f"worker {worker} has a non-finite {what}; refusing to use it in the protocol")
-        self.worker = worker
-
-
-def check_finite(vector: Tensor, worker: int, what: str = "model") -> None:
+def check_finite(vector: Tensor, worker: int) -> None:
+    """Refuse a NaN or infinite model before any average uses it, naming the worker (the strategies' error)."""
     if not bool(torch.isfinite(vector).all()):
-        raise NonFiniteModelError(worker, what)
+        raise NonFiniteModelError(f"worker {worker} has a non-finite model; refusing to use it in the protocol")
 
 
 def _first_optimizer(configured: Any) -> torch.optim.Optimizer:

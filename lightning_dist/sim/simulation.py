@@ -17,21 +17,16 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from torch import Tensor
 from simpy.core import StopSimulation
+from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_dist.algorithms.arguments import check_count
 from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
 from lightning_dist.sim.network import NetworkModel
 from lightning_dist.sim.protocols.base import Program, Protocol
 from lightning_dist.sim.replica import Evaluator, Replica
-
-
-def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return value
 
 
 def worker_loader(datamodule: L.LightningDataModule, num_workers: int, rank: int, seed: int) -> DataLoader:
@@ -95,9 +90,9 @@ class Simulation:
         stop_when: Optional[Callable[[list[dict[str, float]]], bool]] = None,
         seed: int = 0,
     ) -> None:
-        self.num_workers = _check_count("workers", workers, 1)
-        self.max_steps = _check_count("max_steps", max_steps, 1)
-        self.eval_every = _check_count("eval_every", eval_every, 1)
+        self.num_workers = check_count("workers", workers, 1)
+        self.max_steps = check_count("max_steps", max_steps, 1)
+        self.eval_every = check_count("eval_every", eval_every, 1)
         if max_virtual_seconds is not None and (
             isinstance(max_virtual_seconds, bool)
             or not isinstance(max_virtual_seconds, (int, float))

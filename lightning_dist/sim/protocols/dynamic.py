@@ -21,7 +21,7 @@ from lightning_dist.algorithms.arguments import check_divergence_threshold, chec
 from lightning_dist.algorithms.averaging import balance_models, squared_distance
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol
-from lightning_dist.sim.replica import NonFiniteModelError
+from lightning_dist.strategies.local_update import NonFiniteModelError
 
 _SEND_MODEL = "send_model"
 _CONTINUE = "continue"
@@ -81,7 +81,7 @@ class DynamicAveraging(Protocol):
             self.counts["checks"] += 1
             for rank in sorted(distances):
                 if not math.isfinite(distances[rank]):
-                    raise NonFiniteModelError(rank)
+                    raise NonFiniteModelError(f"worker {rank} is at a non-finite distance from the reference model")
             violators = sorted(rank for rank, value in distances.items() if value > self.divergence_threshold)
             decision = ("decision", round_index)
             if not violators:

@@ -88,7 +88,9 @@ class SegmentedGossip(Protocol):
             received[message.source] = (pulls[message.source], message.payload)
         mixed = mixed_from_pulls(local, plan[rank], self.bounds, received)
         sizes = self.simulation.dataset_sizes
-        merged = yield from node.execute(aggregate, local, mixed, plan[rank], self.bounds, sizes, rank, kind="aggregate")
+        merged = yield from node.execute(
+            aggregate, local, mixed, plan[rank], self.bounds, sizes, rank, kind="aggregate"
+        )
         replica.set(merged)
         if rank == 0:
             self.rounds_done += 1
