@@ -3,13 +3,34 @@
 DownpourSGD (Dean et al., NIPS 2012) is the base algorithm of paper 000 (DataGossip, section 3,
 Figure 1) and the asynchronous parameter server of paper 001. Each worker trains its own replica
 and, every ``push_every`` steps, sends its *accumulated update* (its parameters minus those it
-last pulled) to the parameter server, which adds it to the global model as it arrives and answers
-with the current global model. Nothing here knows about processes or Lightning: the strategy
-(``lightning_dist.strategies.downpour``) moves the tensors, the simulator calls the same code.
+last pulled) to the parameter server and continues from the global model the server answers with.
+Nothing here knows about processes or Lightning: the strategy (``lightning_dist.strategies.downpour``)
+moves the tensors, the simulator calls the same code.
 
-Staleness of an update (paper 001, section 3): the number of other updates the server applied
-between the worker's pull and its push, ``version_now - version_pulled``. An optional bound drops
-updates staler than ``max_staleness``; the worker then continues from the current global model.
+The server's rules:
+
+- **Asynchronous** (paper 001, section 2.2.2, ASGD): each update is added in full as it arrives,
+  ``w <- w + u``, one server version per update.
+- **Synchronous** (paper 001, section 2.2.1, SSGD: "the parameter server obtains the gradient
+  average and updates the parameters"): one round takes one update from every worker, all computed
+  from the same global version, and applies their mean, ``w <- w + (1/m) sum_i u_i``; the round is
+  one server version, so every update of a round has staleness 0.
+- **Buffers are not updates.** A model vector (:class:`~lightning_dist.model_vector.ModelVector`)
+  holds parameters, then floating-point buffers such as BatchNorm's running mean and variance.
+  Those are exponential moving averages, not sums of steps: adding m workers' deltas of them
+  overshoots, and a running variance goes below zero (NaN evaluation). So a worker sends, after its
+  parameter update, its *absolute* buffer values (the same number of elements: no extra bytes), the
+  server remembers every worker's latest reported buffers, and the global model's buffer part is
+  their mean. It is always a convex combination of buffers some worker really computed, so a
+  variance stays positive; before a worker's first push its entry is the initial model's buffers.
+- **Float32 master.** The global model and every sum are kept in float32 (float64 stays float64),
+  whatever dtype the model trains in: adding bf16 updates to a bf16 vector loses every update
+  smaller than the vector's rounding step. Workers compute their update in that dtype too and
+  convert the model the server sends back into their own dtype.
+
+Staleness of an update (paper 001, section 3): the number of server versions between the worker's
+pull and its push, ``version_now - version_pulled``. An optional bound drops updates staler than
+``max_staleness``; the worker then continues from the current global model.
 """
 
 from __future__ import annotations
@@ -30,13 +51,25 @@ def check_max_staleness(max_staleness: int | None) -> None:
         raise ValueError(f"max_staleness must be None or an integer >= 0 (server versions); got {max_staleness!r}")
 
 
-def accumulated_update(local: Tensor, pulled: Tensor) -> Tensor:
-    """The update a Downpour worker pushes: ``local - pulled``.
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the server accumulates in: float32, or float64 for a float64 model."""
+    return torch.promote_types(dtype, torch.float32)
 
-    For plain SGD this is ``-lr * sum of gradients`` since the pull (the reference repo's
-    accumulator); taking the difference of models makes it right for any optimizer.
+
+def push_message(local: Tensor, pulled: Tensor, num_parameters: int) -> Tensor:
+    """What a Downpour worker pushes: its accumulated update, then its absolute buffers.
+
+    The first ``num_parameters`` elements are ``local - pulled`` (for plain SGD, ``-lr`` times the
+    gradients summed since the pull, the reference repo's accumulator; the difference of models
+    makes it right for any optimizer); the rest are ``local``'s buffers as they are. ``pulled``
+    must be the replica exactly as the worker set it from the server's reply (in the model's
+    dtype), so that a worker that did not move pushes a zero update. Computed in
+    :func:`master_dtype`, where the difference of two bf16/fp16 vectors is exact.
     """
-    return local - pulled
+    dtype = master_dtype(local.dtype)
+    local = local.to(dtype)
+    update = local[:num_parameters] - pulled[:num_parameters].to(dtype)
+    return torch.cat([update, local[num_parameters:]])
 
 
 @dataclass
@@ -49,22 +82,38 @@ class PushOutcome:
 
 
 class GlobalModel:
-    """The server's model: ``initial + sum of accepted updates``, with a version per accepted update.
+    """The server's model in its master dtype, with a version per applied update or round.
+
+    Parameters: ``initial + sum of accepted updates`` (asynchronous) or ``+ the mean of each
+    round's`` (synchronous). Buffers: the mean over workers of each one's latest reported buffers.
 
     Args:
-        vector: the initial global model (copied).
+        vector: the initial global model (copied, in :func:`master_dtype`).
+        num_parameters: how many leading elements of ``vector`` are parameters; the rest are buffers
+            (``ModelVector.num_parameters``).
+        workers: number of workers that push (one buffer entry each).
         max_staleness: drop updates whose staleness exceeds this; ``None`` accepts every update.
     """
 
-    def __init__(self, vector: Tensor, max_staleness: int | None = None) -> None:
+    def __init__(self, vector: Tensor, num_parameters: int, workers: int, max_staleness: int | None = None) -> None:
         check_max_staleness(max_staleness)
-        self.vector = vector.detach().clone()
+        if not 0 <= num_parameters <= vector.numel():
+            raise ValueError(f"num_parameters must be in [0, {vector.numel()}] (the vector's length); got {num_parameters}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1; got {workers!r}")
+        self.vector = vector.detach().to(master_dtype(vector.dtype), copy=True)
+        self.num_parameters = num_parameters
+        self.worker_buffers = self.vector[num_parameters:].repeat(workers, 1)
         self.max_staleness = max_staleness
         self.version = 0
         self.accepted = 0
         self.rejected = 0
         self.staleness_sum = 0
         self.staleness_max = 0
+
+    @property
+    def workers(self) -> int:
+        return self.worker_buffers.shape[0]
 
     def staleness(self, pulled_version: int) -> int:
         if not 0 <= pulled_version <= self.version:
@@ -75,29 +124,46 @@ class GlobalModel:
         """Whether an update based on ``pulled_version`` would be dropped (the worker must re-pull)."""
         return self.max_staleness is not None and self.staleness(pulled_version) > self.max_staleness
 
-    def push(self, update: Tensor, pulled_version: int) -> PushOutcome:
-        """Apply ``update`` (w <- w + update) unless it is too stale; bump the version if applied."""
-        if self.too_stale(pulled_version):
-            return self.refuse(pulled_version)
-        staleness = self.staleness(pulled_version)
-        self.vector += update.to(self.vector.device, self.vector.dtype)
-        self.version += 1
-        self.accepted += 1
-        self.staleness_sum += staleness
-        self.staleness_max = max(self.staleness_max, staleness)
-        return PushOutcome(True, staleness, self.version)
+    def push(self, message: Tensor, pulled_version: int, rank: int) -> PushOutcome:
+        """Asynchronous: apply ``rank``'s :func:`push_message` in full unless it is too stale (one version)."""
+        return self.push_round([(message, pulled_version, rank)])[0]
+
+    def push_round(self, messages: Sequence[tuple[Tensor, int, int]]) -> list[PushOutcome]:
+        """Apply ``(message, pulled_version, rank)`` triples as one server step: the mean of their updates.
+
+        Synchronous Downpour passes one round (every worker's push, all pulled from the same
+        version, so each has staleness 0); asynchronous Downpour passes one push at a time. Updates
+        staler than ``max_staleness`` are dropped, the others' parameter updates are averaged and
+        added (``w <- w + mean``), their buffers replace the senders' entries, and the version
+        advances by one if any was applied. The mean is taken in the given order, so a round in rank
+        order gives the same floats on every run.
+        """
+        outcomes, updates = [], []
+        for message, pulled_version, rank in messages:
+            if not 0 <= rank < self.workers:
+                raise ValueError(f"rank must be in [0, {self.workers - 1}]; got {rank}")
+            staleness = self.staleness(pulled_version)
+            if self.too_stale(pulled_version):
+                self.rejected += 1
+                outcomes.append(PushOutcome(False, staleness, self.version))
+                continue
+            message = message.to(self.vector.device, self.vector.dtype)
+            updates.append(message[: self.num_parameters])
+            self.worker_buffers[rank] = message[self.num_parameters :]
+            self.accepted += 1
+            self.staleness_sum += staleness
+            self.staleness_max = max(self.staleness_max, staleness)
+            outcomes.append(PushOutcome(True, staleness, self.version + 1))
+        if updates:
+            self.vector[: self.num_parameters] += updates[0] if len(updates) == 1 else torch.stack(updates).mean(0)
+            self.vector[self.num_parameters :] = self.worker_buffers.mean(0)
+            self.version += 1
+        return outcomes
 
     def refuse(self, pulled_version: int) -> PushOutcome:
-        """Count an update dropped for staleness; the global model is unchanged."""
+        """Count an update dropped for staleness before its bytes were sent; the global model is unchanged."""
         self.rejected += 1
         return PushOutcome(False, self.staleness(pulled_version), self.version)
-
-    def push_round(self, updates: Sequence[tuple[Tensor, int]]) -> list[PushOutcome]:
-        """Synchronous Downpour: apply one round's updates in the given (rank) order.
-
-        A fixed order makes the float sum, and so a synchronous run, reproducible bit for bit.
-        """
-        return [self.push(update, pulled_version) for update, pulled_version in updates]
 
     def metrics(self, prefix: str = "downpour/") -> dict[str, float]:
         mean = self.staleness_sum / self.accepted if self.accepted else 0.0
@@ -112,6 +178,7 @@ class GlobalModel:
     def state_dict(self) -> dict[str, Any]:
         return {
             "vector": self.vector.clone(),
+            "worker_buffers": self.worker_buffers.clone(),
             "version": self.version,
             "accepted": self.accepted,
             "rejected": self.rejected,
@@ -120,12 +187,14 @@ class GlobalModel:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state["vector"].shape != self.vector.shape:
-            raise ValueError(
-                f"global model in the checkpoint has shape {tuple(state['vector'].shape)}; this model's is "
-                f"{tuple(self.vector.shape)}"
-            )
-        self.vector.copy_(state["vector"])
+        for key, value, mine in (("global model", state["vector"], self.vector),
+                                 ("worker buffers", state["worker_buffers"], self.worker_buffers)):
+            if value.shape != mine.shape:
+                raise ValueError(
+                    f"{key} in the checkpoint has shape {tuple(value.shape)}; this model and world size give "
+                    f"{tuple(mine.shape)}"
+                )
+            mine.copy_(value)
         for key in ("version", "accepted", "rejected", "staleness_sum", "staleness_max"):
             setattr(self, key, int(state[key]))
 

@@ -3,7 +3,10 @@
 Every rank trains its own replica. Every ``push_every`` optimizer steps it sends its accumulated
 update to a parameter server and continues from the global model the server sends back, without
 waiting for the other ranks (``synchronous=False``). The server, a thread on rank 0, applies
-updates as they arrive (``lightning_dist.algorithms.parameter_server``; transport in
+updates as they arrive, or the mean of each round's updates with ``synchronous=True``; it keeps
+floating-point buffers (BatchNorm statistics) as the mean of the ranks' latest ones, not as sums
+of deltas, and its global model in float32 whatever the model's dtype
+(``lightning_dist.algorithms.parameter_server``; transport in
 ``lightning_dist.strategies.parameter_server``).
 
 Asynchrony needs one change to Lightning's loop. Lightning 2.6 broadcasts a SIGTERM flag from
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_flag, check_steps
-from lightning_dist.algorithms.parameter_server import GlobalModel, accumulated_update, check_max_staleness
+from lightning_dist.algorithms.parameter_server import GlobalModel, check_max_staleness, push_message
 from lightning_dist.comm import CommStats, Communicator, new_group
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 from lightning_dist.strategies.parameter_server import SERVER_RANK, ParameterServer, ParameterServerClient
@@ -44,11 +47,13 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
     Args:
         push_every: optimizer steps between pushes (``n_push`` of paper 000's DownpourSGD, default
             5, the paper's "update frequency").
-        synchronous: if True, the server waits for one update from every rank before answering
-            any (a barrier per round), so synchronous and asynchronous training run the same code.
+        synchronous: if True, the server waits for one update from every rank, applies their mean
+            (paper 001's synchronous SGD) and only then answers (a barrier per round), so
+            synchronous and asynchronous training run the same code.
         max_staleness: if set, an update based on a global model more than ``max_staleness``
             versions old is dropped and the worker re-pulls the current model before going on
-            (staleness = updates the server applied between the worker's pull and its push).
+            (staleness = server versions between the worker's pull and its push; a synchronous
+            round is one version and its updates have staleness 0, so none is dropped there).
             None (default) applies every update, as DownpourSGD does.
         finish_timeout: seconds rank 0 waits at the end of ``fit`` for the other ranks to finish
             their last steps.
@@ -118,7 +123,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         ps_comm = self._require_ps_comm()
         if ps_comm.rank == SERVER_RANK:
             assert self._pulled is not None
-            model = GlobalModel(self._pulled, self.max_staleness)
+            model = GlobalModel(self._pulled, self.model_vector.num_parameters, ps_comm.world_size,
+                                self.max_staleness)
             if self._restored_server is not None:
                 model.load_state_dict(self._restored_server)
             self._server = ParameterServer(ps_comm, model, self.synchronous)
@@ -138,27 +144,30 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
     def _push(self) -> None:
         assert self._pulled is not None
         local = self.model_vector.get().cpu()
-        update = accumulated_update(local, self._pulled)
+        message = push_message(local, self._pulled, self.model_vector.num_parameters)
         if self._server is not None:
-            reply = self._server.push_local(update, self._pulled_version)
+            reply = self._server.push_local(message, self._pulled_version)
         else:
             assert self._client is not None
-            reply = self._client.push(update, self._pulled_version)
+            reply = self._client.push(message, self._pulled_version)
         if not reply.applied:
             self._rejected_pushes += 1
-        self._pulled = reply.vector
-        self._pulled_version = reply.version
         self.model_vector.set(reply.vector.to(self.root_device))
+        # What the replica now holds (the float32 reply rounded to the model's dtype), so the next
+        # update is exactly the local change and the server's float32 bits are never pushed back.
+        self._pulled = self.model_vector.get().cpu()
+        self._pulled_version = reply.version
         self._steps_since_push = 0
         self._syncs += 1
 
     def consensus(self, purpose: str) -> Tensor:
         """The server's global model, broadcast from rank 0 (all ranks evaluate the same model)."""
+        like = self.model_vector.get()
         if self._server is not None:
             vector, _ = self._server.snapshot()
-            vector = vector.to(self.root_device)
+            vector = vector.to(like.device, like.dtype)
         else:
-            vector = torch.empty_like(self.model_vector.get())
+            vector = torch.empty_like(like)
         return self.comm.broadcast_(vector, src=SERVER_RANK, purpose=purpose)
 
     def on_train_end(self) -> None:

@@ -13,8 +13,12 @@ Why this shape:
   back header + global model. With ``max_staleness`` set, the worker first sends only the header;
   the server answers ``STALE`` with the current model (the worker re-pulls and drops its stale
   update, no update bytes sent) or ``GO``, then the update follows.
-- Synchronous mode collects one update from every active worker, applies them in rank order
-  (reproducible float sums) and only then answers all of them: a barrier per round.
+- Synchronous mode collects one update from every active worker, applies their mean as one
+  server version (``GlobalModel.push_round``, in rank order: reproducible float sums) and only
+  then answers all of them: a barrier per round.
+- Vectors on the wire are in the server's master dtype (float32 for a bf16/fp16 model): a push
+  is ``push_message`` (parameter update, then absolute buffers), a reply the global model; the
+  worker converts the reply into its model's dtype.
 - Failure: a worker that raises sends ``ABORT``; the server then answers every later request, and
   every worker blocked in a synchronous round, with ``ABORTED`` naming the failed rank, so all
   ranks stop with a clear error instead of waiting forever.
@@ -124,7 +128,7 @@ class ParameterServer:
         with self._state:
             self._raise_if_aborted()
             if not self.synchronous:
-                outcome = self.model.push(update, pulled_version)
+                outcome = self.model.push(update, pulled_version, SERVER_RANK)
                 return self._reply_of(outcome, self.model.vector.clone())
             self._round[SERVER_RANK] = (update, pulled_version)
             round_number = self._rounds_done
@@ -226,7 +230,7 @@ class ParameterServer:
                 self._round[sender] = (update, pulled_version)
                 self._complete_round_if_ready()
                 return
-            outcome = self.model.push(update, pulled_version)
+            outcome = self.model.push(update, pulled_version, sender)
             vector = self.model.vector.clone()
         self._send_reply(sender, self._reply_of(outcome, vector))
 
@@ -239,7 +243,7 @@ class ParameterServer:
         if not participants <= set(self._round):
             return
         ranks = sorted(self._round)
-        outcomes = self.model.push_round([self._round[rank] for rank in ranks])
+        outcomes = self.model.push_round([(*self._round[rank], rank) for rank in ranks])
         vector = self.model.vector.clone()
         self._round.clear()
         for rank, outcome in zip(ranks, outcomes):

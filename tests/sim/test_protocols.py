@@ -81,7 +81,7 @@ def test_synchronous_parameter_server_keeps_every_worker_on_the_global_model():
     sim.run()
     for replica in sim.replicas:
         assert torch.equal(replica.get(), protocol.store.vector)
-    assert protocol.store.version == 3 * 3
+    assert protocol.store.version == 3  # one version per synchronous round
     assert not torch.equal(protocol.store.vector, torch.cat([p.detach().reshape(-1) for p in initial]))
 
 

@@ -2,10 +2,11 @@
 
 The same :class:`~lightning_dist.algorithms.parameter_server.GlobalModel` as
 :class:`~lightning_dist.strategies.DownpourSGDStrategy` lives on a server node (node ``N``). Every
-``push_every`` steps a worker sends its accumulated update and waits for the global model. The
-asynchronous server applies each update on arrival and answers that worker at once; the
-synchronous one (paper 001's SSGD) waits for every worker's update of the round, applies them in
-rank order and sends the model back to all workers, one after the other through its send port.
+``push_every`` steps a worker sends its accumulated update (with its buffers, ``push_message``)
+and waits for the global model. The asynchronous server applies each update on arrival and answers
+that worker at once; the synchronous one (paper 001's SSGD) waits for every worker's update of the
+round, applies their mean as one server version and sends the model back to all workers, one after
+the other through its send port. Buffers and the float32 master follow ``GlobalModel``'s rules.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from torch import Tensor
 from lightning_dist.algorithms.arguments import check_flag, check_steps
 from lightning_dist.algorithms.parameter_server import (
     GlobalModel,
-    accumulated_update,
     check_finite,
     check_max_staleness,
+    push_message,
 )
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol
@@ -45,7 +46,8 @@ class ParameterServer(Protocol):
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
         initial = simulation.replicas[0].get()
-        self.store = GlobalModel(initial, self.max_staleness)
+        self.num_parameters = simulation.replicas[0].vector.num_parameters
+        self.store = GlobalModel(initial, self.num_parameters, simulation.num_workers, self.max_staleness)
         self.rounds = simulation.max_steps // self.push_every
         self.pulled = [initial] * simulation.num_workers
         self.versions = [0] * simulation.num_workers
@@ -54,12 +56,13 @@ class ParameterServer(Protocol):
         if step % self.push_every:
             return
         replica = self.simulation.replicas[rank]
-        update = accumulated_update(replica.get(), self.pulled[rank])
+        update = push_message(replica.get(), self.pulled[rank], self.num_parameters)
         node.send(self.simulation.server, (update, self.versions[rank]), tag="push")
         message = yield node.recv(source=self.simulation.server, tag="pull")
         vector, version = message.payload
         replica.set(vector)
-        self.pulled[rank], self.versions[rank] = vector, version
+        # The replica as it now is, in the model's dtype (see push_message).
+        self.pulled[rank], self.versions[rank] = replica.get(), version
 
     def server(self, node: Node) -> Program:
         workers = self.simulation.num_workers
@@ -70,7 +73,7 @@ class ParameterServer(Protocol):
                     message = yield node.recv(tag="push")
                     check_finite(message.payload[0], message.source)
                     updates[message.source] = message.payload
-                ordered = [updates[rank] for rank in range(workers)]
+                ordered = [(*updates[rank], rank) for rank in range(workers)]
                 yield from node.execute(self.store.push_round, ordered, kind="aggregate")
                 reply = (self.store.vector.clone(), self.store.version)
                 for rank in range(workers):
@@ -80,7 +83,7 @@ class ParameterServer(Protocol):
             message = yield node.recv(tag="push")
             update, pulled_version = message.payload
             check_finite(update, message.source)
-            yield from node.execute(self.store.push, update, pulled_version, kind="aggregate")
+            yield from node.execute(self.store.push, update, pulled_version, message.source, kind="aggregate")
             node.send(message.source, (self.store.vector.clone(), self.store.version), tag="pull")
 
     def global_model(self) -> Tensor:
