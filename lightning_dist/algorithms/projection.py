@@ -8,6 +8,13 @@ sketch (Charikar, Chen and Farach-Colton 2002; the sparse JL transform with one 
 column) maps coordinate ``i`` to one bucket ``h(i)`` with a random sign ``sigma(i)``:
 ``(Px)[b] = sum_{i: h(i) = b} sigma(i) x[i]``. It stores two length-``d`` vectors, costs one
 pass over ``x``, and ``E[<Px, Py>] = <x, y>``.
+
+Reproducible on every device: each bucket is the sum of its coordinates in increasing coordinate
+order, rounded after every addition. ``index_add_`` does exactly that on the host; on CUDA it adds
+with atomics in whatever order threads arrive, so two runs of the same step could give different
+projections, signs and example orders. Off the host the sketch therefore sorts the coordinates by
+bucket once (stably) and reduces each bucket with ``torch.segment_reduce``, whose kernel walks a
+segment sequentially in one thread: the same additions in the same order as the host.
 """
 
 from __future__ import annotations
@@ -35,10 +42,33 @@ class CountSketch:
         self.output_dim = output_dim
         self.buckets = torch.randint(output_dim, (input_dim,), generator=generator).to(device)
         self.signs = (torch.randint(2, (input_dim,), generator=generator) * 2 - 1).to(device)
+        # Coordinates grouped by bucket, in increasing order within a bucket (a stable sort), and the
+        # bucket sizes: what the segmented reduction off the host walks through.
+        self._order = torch.sort(self.buckets, stable=True).indices
+        self._sorted_signs = self.signs[self._order]
+        self._lengths = torch.bincount(self.buckets, minlength=output_dim)
 
     def __call__(self, vectors: Tensor) -> Tensor:
         """``(..., d) -> (..., k)``."""
         if vectors.shape[-1] != self.input_dim:
             raise ValueError(f"expected vectors of length {self.input_dim}; got shape {tuple(vectors.shape)}")
+        if vectors.device.type == "cpu":
+            return self._project_on_host(vectors)
+        return self._project_on_device(vectors)
+
+    def _project_on_host(self, vectors: Tensor) -> Tensor:
+        """``index_add_``: sequential in coordinate order on the host, and the faster of the two there."""
         out = vectors.new_zeros(*vectors.shape[:-1], self.output_dim)
         return out.index_add_(-1, self.buckets, vectors * self.signs.to(vectors.dtype))
+
+    def _project_on_device(self, vectors: Tensor) -> Tensor:
+        """The same sums without atomics: coordinates sorted by bucket, one sequential sum per bucket.
+
+        The data is laid out ``(d, rows)`` so that the reduction's output has two dimensions: then
+        ``segment_reduce`` runs its one-thread-per-segment loop (a one-dimensional output would go
+        to a tree reduction, deterministic too but in another order than the host's).
+        """
+        rows = vectors.reshape(-1, self.input_dim)
+        grouped = rows.index_select(1, self._order) * self._sorted_signs.to(vectors.dtype)
+        sums = torch.segment_reduce(grouped.t().contiguous(), "sum", lengths=self._lengths, axis=0, unsafe=True)
+        return sums.t().reshape(*vectors.shape[:-1], self.output_dim)

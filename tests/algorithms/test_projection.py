@@ -86,3 +86,39 @@ def test_bad_dimensions_and_shapes_are_rejected():
         sketch(torch.zeros(2, 9))
     with pytest.raises(ValueError, match=r"expected vectors of length 10; got shape \(10, 1\)"):
         sketch(torch.zeros(10, 1))
+
+
+def _sequential_sketch(sketch: CountSketch, rows: torch.Tensor) -> torch.Tensor:
+    """The definition, one coordinate at a time: bucket ``h(i)`` += ``sigma(i) x[i]`` in increasing ``i``, rounded
+    to the vectors' dtype after every addition (what ``index_add_`` does on the host)."""
+    out = rows.new_zeros(rows.shape[0], sketch.output_dim)
+    for i in range(sketch.input_dim):
+        bucket = int(sketch.buckets[i])
+        out[:, bucket] = out[:, bucket] + rows[:, i] * int(sketch.signs[i])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_accelerator_path_adds_in_the_hosts_order_bit_for_bit(dtype):
+    """Off the host the sketch reduces sorted buckets with segment_reduce (CUDA's index_add_ adds with atomics,
+    in no fixed order). Run here on the host, that path must give exactly the host's sums, which are the
+    sequential sums of the definition: values spanning nine orders of magnitude make any other order of
+    addition round differently. k > d leaves empty buckets. (CD-GraB projects float32 or float64 gradients;
+    in bfloat16 the host's index_add_ does not round after every addition.)"""
+    generator = gen(11)
+    for input_dim, output_dim in ((3000, 37), (20, 64)):
+        sketch = CountSketch(input_dim, output_dim, seed=4)
+        scale = torch.logspace(-4, 5, input_dim, dtype=torch.float64)
+        rows = (torch.randn(5, input_dim, generator=generator, dtype=torch.float64) * scale).to(dtype)
+        expected = _sequential_sketch(sketch, rows)
+        host = sketch._project_on_host(rows)  # noqa: SLF001
+        device = sketch._project_on_device(rows)  # noqa: SLF001
+        assert host.dtype == device.dtype == dtype
+        assert torch.equal(host, expected) and torch.equal(device, expected)
+        # The order matters at this spread: a float64 sum rounded once differs from the float32 sequential one.
+        if dtype == torch.float32 and input_dim > output_dim:
+            assert not torch.equal(expected, _sequential_sketch(sketch, rows.double()).float())
+        # Any leading shape, including a single vector (a one-dimensional reduction would take another path).
+        batch = rows.reshape(5, 1, input_dim).expand(5, 2, input_dim)
+        assert torch.equal(sketch._project_on_device(batch), expected.unsqueeze(1).expand(5, 2, output_dim))  # noqa: SLF001
+        assert torch.equal(sketch._project_on_device(rows[3]), expected[3])  # noqa: SLF001
