@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import reduce
+
 import torch
 from torch import Tensor, nn
 
@@ -20,11 +22,19 @@ class ModelVector:
         buffers = [buffer for buffer in module.buffers() if buffer.is_floating_point()]
         self._tensors = parameters + buffers
         self._sizes = [tensor.numel() for tensor in self._tensors]
+        self.parameters: list[Tensor] = parameters
         self.num_parameters = sum(parameter.numel() for parameter in parameters)
+        self.dtype: torch.dtype = reduce(torch.promote_types, (tensor.dtype for tensor in self._tensors))
+        """The dtype of :meth:`get`'s vector (the module's, promoted as ``torch.cat`` would)."""
 
-    def get(self) -> Tensor:
-        """A new flat copy of the current state."""
-        return torch.cat([tensor.detach().reshape(-1) for tensor in self._tensors])
+    def get(self, dtype: torch.dtype | None = None) -> Tensor:
+        """A new flat copy of the current state, in ``dtype`` when given (cast piece by piece, no full-size temporary)."""
+        if dtype is None:
+            return torch.cat([tensor.detach().reshape(-1) for tensor in self._tensors])
+        vector = torch.empty(sum(self._sizes), dtype=dtype, device=self._tensors[0].device)
+        for tensor, chunk in zip(self._tensors, vector.split(self._sizes)):
+            chunk.copy_(tensor.detach().reshape(-1))
+        return vector
 
     @torch.no_grad()
     def set(self, vector: Tensor) -> None:
@@ -35,3 +45,8 @@ class ModelVector:
     def parameters_of(self, vector: Tensor) -> Tensor:
         """The parameter part of a vector produced by ``get``."""
         return vector[: self.num_parameters]
+
+    def parameter_views(self, vector: Tensor) -> list[Tensor]:
+        """Views of a parameter vector (``parameters_of``'s result, or a reference model) shaped like :attr:`parameters`."""
+        sizes = self._sizes[: len(self.parameters)]
+        return [chunk.view_as(parameter) for chunk, parameter in zip(vector[: self.num_parameters].split(sizes), self.parameters)]

@@ -11,15 +11,50 @@ divergence threshold ``Delta``, check period ``b``, violation counter ``v``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 
+DISTANCE_CHUNK = 1 << 20
+"""Elements per float64 temporary in :func:`squared_distance_sum` (8 MiB)."""
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums of models in ``dtype`` accumulate in: at least float32.
+
+    A bfloat16 sum rounds to 8 significant bits at every addition; m models summed that way lose
+    up to ``log2(m)`` bits of the mean. Sums run in float32 (float64 stays float64) and the mean is
+    rounded to the models' dtype once.
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
+def squared_distance_sum(pairs: Iterable[tuple[Tensor, Tensor]], chunk_elements: int = DISTANCE_CHUNK) -> Tensor:
+    """``sum_j ||a_j - b_j||^2`` over pairs of equally long tensors, in float64, as a 0-d tensor.
+
+    The float64 definition (each entry converted to float64, then subtracted and squared), computed
+    ``chunk_elements`` entries at a time: the float64 temporaries stay at ``8 * chunk_elements``
+    bytes whatever the model size (converting whole models costs 36 bytes per parameter: 36 GB
+    for a billion). The sum stays on the tensors' device, so an accelerator is not waited for.
+    """
+    total: Tensor | None = None
+    for first, second in pairs:
+        first, second = first.detach().reshape(-1), second.detach().reshape(-1)
+        if first.numel() != second.numel():
+            raise ValueError(f"tensors to compare must have equal sizes; got {first.numel()} and {second.numel()}")
+        for start in range(0, first.numel(), chunk_elements):
+            difference = first[start : start + chunk_elements].to(torch.float64, copy=True)
+            difference -= second[start : start + chunk_elements]
+            part = torch.dot(difference, difference)
+            total = part if total is None else total + part
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
+
+
 def squared_distance(model: Tensor, reference: Tensor) -> float:
-    """``||model - reference||^2`` over all entries (the quantity in the local condition)."""
-    return float(torch.sum((model.double() - reference.double()) ** 2))
+    """``||model - reference||^2`` over all entries (the quantity in the local condition), in float64."""
+    return float(squared_distance_sum([(model, reference)]))
 
 
 def local_condition_holds(model: Tensor, reference: Tensor, divergence_threshold: float) -> bool:
@@ -39,19 +74,24 @@ def divergence(models: Sequence[Tensor]) -> float:
 
 
 def weighted_average(models: Sequence[Tensor], weights: Sequence[float] | None = None) -> Tensor:
-    """``sum_i w_i f^i / sum_i w_i``; the plain mean when ``weights`` is None."""
+    """``sum_i w_i f^i / sum_i w_i``; the plain mean when ``weights`` is None.
+
+    Computed in :func:`accumulation_dtype` (weights included: 343 is 344 in bfloat16) and rounded
+    to the models' dtype once.
+    """
     if not models:
         raise ValueError("models must hold at least one model vector; got an empty sequence")
-    stacked = torch.stack(list(models))
+    dtype = models[0].dtype
+    stacked = torch.stack(list(models)).to(accumulation_dtype(dtype))
     if weights is None:
-        return stacked.mean(dim=0)
+        return stacked.mean(dim=0).to(dtype)
     if len(weights) != len(models):
         raise ValueError(f"weights must have one entry per model ({len(models)}); got {len(weights)}")
     weight_tensor = torch.as_tensor(weights, dtype=stacked.dtype, device=stacked.device)
     if not torch.all(weight_tensor >= 0) or float(weight_tensor.sum()) <= 0:
         raise ValueError("weights must be non-negative with a positive sum")
     shape = (-1,) + (1,) * (stacked.dim() - 1)
-    return (stacked * weight_tensor.view(shape)).sum(dim=0) / weight_tensor.sum()
+    return ((stacked * weight_tensor.view(shape)).sum(dim=0) / weight_tensor.sum()).to(dtype)
 
 
 def count_violations(violators: Sequence[int], violation_counter: int, num_ranks: int) -> tuple[bool, int]:

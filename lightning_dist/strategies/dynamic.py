@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_divergence_threshold, check_steps
-from lightning_dist.algorithms.averaging import local_condition_holds, plan_balancing
+from lightning_dist.algorithms.averaging import local_condition_holds, plan_balancing, squared_distance_sum
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -70,18 +70,21 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         if step % self.check_every != 0:
             return
         self._checks += 1
-        local = self.model_vector.get()
-        distance = torch.sum((self.model_vector.parameters_of(local).double() - self.reference.double()) ** 2)
+        # Parameter by parameter against views of the reference, in float64 chunks: no copy of the
+        # whole model (the flat vector is built only when models move, in _resolve).
+        vector = self.model_vector
+        distance = squared_distance_sum(zip(vector.parameters, vector.parameter_views(self.reference)))
         distances = self.comm.all_gather(distance.view(1), purpose="protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
         violators = [rank for rank, value in enumerate(distances) if value > self.divergence_threshold]
         if violators:
             self._violations += len(violators)
-            self._resolve(violators, local)
+            self._resolve(violators)
 
-    def _resolve(self, violators: list[int], local: Tensor) -> None:
+    def _resolve(self, violators: list[int]) -> None:
         """Run the coordinator's balancing (``plan_balancing``) across processes."""
         world_size, rank, coordinator = self.comm.world_size, self.comm.rank, violators[0]
+        local = self.model_vector.get()
         summed: list[int] = []
         accumulator: Tensor | None = None
 
@@ -92,10 +95,11 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
                 self.comm.send(local, [coordinator], "protocol")
             decision = torch.zeros(1, dtype=torch.uint8, device=local.device)
             if rank == coordinator:
-                accumulator = local.clone() if accumulator is None else accumulator
+                accumulator = self.start_sum(local) if accumulator is None else accumulator
                 for vector in self.comm.receive(local, senders):
                     accumulator += vector
-                mean = self.model_vector.parameters_of(accumulator / len(balancing_set))
+                # The mean the set would receive: rounded to the model's dtype once (star_average).
+                mean = self.model_vector.parameters_of((accumulator / len(balancing_set)).to(local.dtype))
                 decision[0] = local_condition_holds(mean, self.reference, self.divergence_threshold)
                 self.comm.send(decision, [other for other in range(world_size) if other != coordinator], "protocol")
             else:

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.comm import CommStats, Communicator, new_group
 from lightning_dist.model_vector import ModelVector
 
@@ -178,12 +179,21 @@ class LocalUpdateStrategy(DDPStrategy):
     # ------------------------------------------------------------ averaging
 
     def average_all(self, purpose: str) -> Tensor:
-        """The mean of all replicas (an all-reduce); raises if any replica is non-finite."""
+        """The mean of all replicas (an all-reduce); raises if any replica is non-finite.
+
+        The sum runs in :func:`accumulation_dtype` (float32 for bfloat16/float16 models, so the
+        all-reduce moves twice their bytes) and the mean is rounded to the model's dtype once.
+        """
         local = self.model_vector.get()
-        total = self.comm.all_reduce_sum_(local.clone(), purpose)
+        total = self.comm.all_reduce_sum_(self.start_sum(local), purpose)
         if not bool(torch.isfinite(total).all()):
             self.raise_if_non_finite(local)
-        return total / self.comm.world_size
+        return (total / self.comm.world_size).to(local.dtype)
+
+    @staticmethod
+    def start_sum(local: Tensor) -> Tensor:
+        """A running sum of models that starts at ``local``: a copy in :func:`accumulation_dtype`."""
+        return local.to(accumulation_dtype(local.dtype), copy=True)
 
     def raise_if_non_finite(self, local: Tensor) -> None:
         """Collective check: raise the same error on every rank if any rank's vector is non-finite."""
@@ -209,8 +219,8 @@ class LocalUpdateStrategy(DDPStrategy):
         """Average among ``members`` through ``coordinator`` (paper 004's coordinator), point to point.
 
         Members not in ``already_summed`` send their vectors to the coordinator, which adds them to
-        ``accumulator`` (its running sum of the ``already_summed`` vectors, or its own vector when
-        None), divides, and sends the mean to the other members. Returns the mean on members and
+        ``accumulator`` (its running sum of the ``already_summed`` vectors, from :meth:`start_sum`, or
+        its own vector when None), divides, and sends the mean to the other members. Returns the mean on members and
         None elsewhere. Every rank must call it with the same arguments but ``accumulator``.
         """
         rank = self.comm.rank
@@ -219,10 +229,12 @@ class LocalUpdateStrategy(DDPStrategy):
         if rank in senders:
             self.comm.send(local, [coordinator], purpose)
         if rank == coordinator:
-            total = local.clone() if accumulator is None else accumulator
+            # Models travel in their own dtype (exact); the sum runs in at least float32 and the
+            # mean is rounded to the model's dtype once, as in average_all.
+            total = self.start_sum(local) if accumulator is None else accumulator
             for vector in self.comm.receive(local, senders):
                 total += vector
-            mean = total / len(members)
+            mean = (total / len(members)).to(local.dtype)
             self.comm.send(mean, [member for member in members if member != coordinator], purpose)
             return mean
         if rank in members:

@@ -12,6 +12,7 @@ from lightning_dist.algorithms.averaging import (
     plan_balancing,
     sample_participants,
     squared_distance,
+    squared_distance_sum,
     weighted_average,
 )
 
@@ -22,6 +23,50 @@ def test_squared_distance_and_local_condition_by_hand():
     assert local_condition_holds(model, reference, 5.0)
     assert not local_condition_holds(model, reference, 4.99)
     assert not local_condition_holds(torch.tensor([float("nan"), 0.0]), reference, 1e9)
+
+
+def test_squared_distance_sum_is_the_float64_definition_by_hand_in_chunks():
+    """Paper 004's ||f - r||^2 with every entry taken to float64 first, over tensors of other shapes and dtypes
+    (a bfloat16 bias: 0.1 is 0.10009765625 there; 0.3 in float32 is 0.30000001192092896), in chunks of 3 entries
+    so that chunk boundaries fall inside a tensor."""
+    weight = torch.tensor([[1.5, -2.0], [0.25, 3.0]])
+    bias = torch.tensor([0.1], dtype=torch.bfloat16)
+    reference = torch.tensor([1.0, -1.0, 0.0, 2.5, 0.3])
+    pairs = [(weight, reference[:4].view(2, 2)), (bias, reference[4:])]
+    expected = 0.5**2 + 1.0**2 + 0.25**2 + 0.5**2 + (0.10009765625 - 0.30000001192092896) ** 2
+    for chunk in (3, 1, 1 << 20):
+        distance = squared_distance_sum(pairs, chunk_elements=chunk)
+        assert distance.dtype == torch.float64 and distance.dim() == 0
+        assert float(distance) == pytest.approx(expected, rel=1e-15, abs=0)
+    # Against the whole-vector float64 formula on a large random case (summation order differs only).
+    model = torch.randn(3_000_001, generator=torch.Generator().manual_seed(0))
+    other = model + 1e-3 * torch.randn(3_000_001, generator=torch.Generator().manual_seed(1))
+    whole = float(torch.sum((model.double() - other.double()) ** 2))
+    assert float(squared_distance_sum([(model, other)])) == pytest.approx(whole, rel=1e-12)
+    assert squared_distance(model, other) == pytest.approx(whole, rel=1e-12)
+    with pytest.raises(ValueError, match="equal sizes"):
+        squared_distance_sum([(weight, reference)])
+
+
+def test_bfloat16_means_are_the_exact_mean_rounded_once():
+    """A bfloat16 mean must be the exact (float64) weighted mean of the bfloat16 values, rounded to bfloat16 once:
+    sums run in float32. Summing in bfloat16 rounds at every addition (and 343 is 344 in bfloat16), which the last
+    assertions show gives other values here."""
+    bf16 = torch.bfloat16
+    models = [torch.tensor(values, dtype=bf16) for values in
+              ([1.0, 3.0, -0.5, 100.0], [0.00390625, 0.0117, 0.3, 1.01], [0.00390625, 0.0117, 0.29, -99.0])]
+    weights = [190.0, 343.0, 257.0]  # unequal part sizes, as Dirichlet parts have
+    exact = sum(w * m.double() for w, m in zip(weights, models)) / sum(weights)
+    exact_plain = sum(m.double() for m in models) / len(models)
+    weighted, plain = weighted_average(models, weights), weighted_average(models)
+    assert weighted.dtype == plain.dtype == bf16
+    assert torch.equal(weighted, exact.to(bf16)) and torch.equal(plain, exact_plain.to(bf16))
+    running = torch.zeros(4, dtype=bf16)
+    for w, m in zip(weights, models):
+        running = running + torch.tensor(w, dtype=bf16) * m
+    assert not torch.equal(running / torch.tensor(weights, dtype=bf16).sum(), weighted)
+    running = models[0] + models[1] + models[2]
+    assert not torch.equal(running / 3, plain)
 
 
 def test_divergence_is_mean_squared_distance_to_mean():

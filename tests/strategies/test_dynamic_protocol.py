@@ -79,3 +79,36 @@ def test_non_finite_rank_is_named_and_nothing_is_averaged(tmp_path):
         assert result["error"] is not None and "rank(s) [2]" in result["error"]
         if rank != 2:
             assert torch.equal(result["vector"], result["models"][rank])
+
+
+@pytest.mark.parametrize(
+    ("spread", "threshold"),
+    [
+        ([3.0] * 4, 1e-3),  # the counter forces a full sync: average_all's all-reduce
+        ([3.0, 0.1, 0.1, 0.1], 1.0),  # one violator, hedged to all ranks through the coordinator: star_average
+    ],
+    ids=["all_reduce", "coordinator"],
+)
+def test_bfloat16_replicas_get_the_exact_mean_rounded_once(tmp_path, spread, threshold):
+    """bfloat16 models are summed in float32 and the mean is rounded to bfloat16 once: every rank ends with the
+    one-process definition's mean (itself the float64 mean rounded once), not with a bfloat16 running sum's."""
+    dim = 64
+    run_ranks(4, "balance", {"threshold": threshold, "seed": 3, "dim": dim, "spread": spread, "dtype": "bfloat16"},
+              tmp_path)
+    results = load_results(tmp_path, 4)
+    assert all(result["error"] is None for result in results)
+    models = results[0]["models"]
+    assert models[0].dtype == torch.bfloat16
+    violators = [i for i, f in enumerate(models) if not local_condition_holds(f, torch.zeros(dim), threshold)]
+    expected_models, _, balancing_set, _ = balance_models(
+        models, torch.zeros(dim, dtype=torch.bfloat16), violators, threshold, 0, torch.Generator().manual_seed(3))
+    assert balancing_set == [0, 1, 2, 3]
+    exact = (sum(m.double() for m in models) / 4).to(torch.bfloat16)
+    for rank, result in enumerate(results):
+        assert result["vector"].dtype == torch.bfloat16
+        assert torch.equal(result["vector"], expected_models[rank]) and torch.equal(result["vector"], exact)
+        assert torch.equal(result["reference"], exact)
+    running = models[0]
+    for model in models[1:]:
+        running = running + model
+    assert not torch.equal(running / 4, exact)  # what summing in bfloat16 gives

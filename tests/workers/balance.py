@@ -26,14 +26,15 @@ def main() -> None:
     strategy = DynamicAveragingStrategy(
         divergence_threshold=spec["threshold"], check_every=1, seed=spec["seed"]
     )
-    module = nn.Linear(spec["dim"], 1, bias=False)
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    module = nn.Linear(spec["dim"], 1, bias=False).to(dtype)
     strategy._comm = Communicator(dist.new_group(backend="gloo"))
     strategy._vector = ModelVector(module)
     strategy.parallel_devices = [torch.device("cpu")]
-    strategy._reference = torch.zeros(spec["dim"])
+    strategy._reference = torch.zeros(spec["dim"], dtype=dtype)
     strategy._violation_counter = spec.get("violation_counter", 0)
     generator = torch.Generator().manual_seed(spec["seed"])
-    models = [torch.randn(spec["dim"], generator=generator) * spec["spread"][i] for i in range(world_size)]
+    models = [(torch.randn(spec["dim"], generator=generator) * spec["spread"][i]).to(dtype) for i in range(world_size)]
     strategy.model_vector.set(models[rank])
     error = None
     try:
