@@ -2,18 +2,19 @@
 
 Every rank yields the same number of indices per epoch, even when the parts have different sizes:
 local-update and gossip strategies take one collective step per batch, so a rank that ran out of
-batches early would leave the others waiting forever.
+batches early would leave the others waiting forever. What a rank yields per epoch is therefore not
+the size of its part; :func:`part_size` gives that size (``|D_j|``, paper 002's aggregation weight).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from numpy.typing import ArrayLike
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.data._checks import check_int
 from lightning_dist.data.partition import make_partition
@@ -28,6 +29,8 @@ class PartitionSampler(DistributedSampler):
     order, each epoch continuing where the previous one stopped, so a longer part is still visited in
     full over several epochs. Shuffles are seeded by ``(seed, epoch, rank)``; the partition itself by
     ``seed`` alone, so all ranks agree on it.
+
+    ``part_size`` is the number of examples in the part itself (what ``len(self)`` equalises away).
 
     This subclasses :class:`~torch.utils.data.DistributedSampler` so that Lightning, which only
     injects its own ``DistributedSampler`` into dataloaders whose sampler is not one, leaves it alone.
@@ -68,6 +71,11 @@ class PartitionSampler(DistributedSampler):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def part_size(self) -> int:
+        """Examples in this rank's part, ``|D_j|``; each epoch cycles or truncates the part to ``len(self)``."""
+        return len(self.part)
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose shuffle (or, without shuffle, whose window of the part) to yield next."""
         self.epoch = check_int("epoch", epoch, 0)
@@ -77,3 +85,31 @@ class PartitionSampler(DistributedSampler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.set_epoch(state_dict["epoch"])
+
+
+def part_size(loader: Any) -> Optional[int]:
+    """``|D_j|``: how many training examples this rank's part of the data holds, read from its train loader.
+
+    Paper 002 weights each rank's model by the size of its local data set (eq. 3). The rule:
+
+    - the sampler's ``part_size`` when it has one (:class:`PartitionSampler`: its part, however many
+      indices it yields per epoch to keep the ranks in step);
+    - otherwise the examples the sampler yields per epoch, ``len(sampler)``: torch's
+      ``DistributedSampler`` (``partition="reshuffled"``, or what Lightning injects) deals every rank an
+      equal share of a fresh split each epoch, :class:`~lightning_dist.data.CDGraBSampler` reads its
+      fixed part without the remainder it drops, and a rank's own sampler under
+      ``use_distributed_sampler=False`` yields its own shard; a sampler that repeats or truncates its
+      part should expose ``part_size``, or it is weighted by what it yields;
+    - ``None`` (unknown) for anything else: not a ``DataLoader``, or a sampler without length (an
+      ``IterableDataset``). Callers say so and weight such ranks equally.
+    """
+    if not isinstance(loader, DataLoader):
+        return None
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    declared = getattr(sampler, "part_size", None)
+    if declared is not None:
+        return int(declared)
+    try:
+        return len(sampler)
+    except TypeError:
+        return None

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
+from lightning_dist.data.sampler import part_size
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies.local_update import NonFiniteModelError
 
@@ -84,8 +85,9 @@ class Replica:
         self._batches: Optional[Iterator] = None
 
     @property
-    def examples_per_epoch(self) -> int:
-        return len(self.loader.sampler)
+    def part_size(self) -> Optional[int]:
+        """``|D_j|``, the examples in this worker's part of the data (:func:`~lightning_dist.data.sampler.part_size`)."""
+        return part_size(self.loader)
 
     def next_batch(self) -> Any:
         """The next training batch; a new epoch (``set_epoch``, a fresh iterator) when one ends."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -115,9 +116,9 @@ class Simulation:
 
     # ------------------------------------------------------------------ helpers protocols use
 
-    def consensus(self) -> Tensor:
-        """The mean of the workers' models weighted by their examples per epoch (``|D_j|``)."""
-        return weighted_average([replica.get() for replica in self.replicas], self.dataset_sizes.tolist())
+    def consensus(self, weights: Optional[Sequence[float]] = None) -> Tensor:
+        """The mean of the workers' models, weighted by ``weights`` (e.g. ``dataset_sizes``) if given."""
+        return weighted_average([replica.get() for replica in self.replicas], weights)
 
     # ------------------------------------------------------------------ the run
 
@@ -129,8 +130,7 @@ class Simulation:
             Replica(self.model, worker_loader(self.datamodule, self.num_workers, rank, self.seed))
             for rank in range(self.num_workers)
         ]
-        sizes = [replica.examples_per_epoch for replica in self.replicas]
-        self.dataset_sizes = torch.tensor(sizes, dtype=torch.float64)
+        self.dataset_sizes = self._dataset_sizes()
         self.evaluator = Evaluator(self.model, self.datamodule.val_dataloader())
         self.protocol.setup(self)
         self.simulator = Simulator(self.network_model, self.speed)
@@ -151,6 +151,19 @@ class Simulation:
             self._evaluate()
         self.result.summary = self._summary(virtual_seconds, time.perf_counter() - wall_start)
         return self.result
+
+    def _dataset_sizes(self) -> Tensor:
+        """Every worker's ``|D_j|`` (its true part size); all equal, with a warning, if any is unknown."""
+        sizes = [replica.part_size for replica in self.replicas]
+        unknown = [rank for rank, size in enumerate(sizes) if not size]
+        if unknown:
+            warnings.warn(
+                f"workers {unknown} have no known part size (a train loader without length or an empty one); "
+                "every worker is weighted equally",
+                stacklevel=3,
+            )
+            sizes = [1] * len(sizes)
+        return torch.tensor(sizes, dtype=torch.float64)
 
     def _worker_program(self, node: Node) -> Program:
         rank = node.index

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from lightning_dist.algorithms.segmented_gossip import (
     aggregate,
@@ -19,6 +18,7 @@ from lightning_dist.algorithms.segmented_gossip import (
     segment_bounds,
     transfers,
 )
+from lightning_dist.data.sampler import part_size
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -42,11 +42,14 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
     that pair exchanges, preceded by a 1-byte finiteness flag per rank (all-gather) so that a
     non-finite replica stops every rank before anything is aggregated.
 
-    ``|D_j|`` is the number of training examples rank ``j`` reads per epoch (the length of its
-    train loader's sampler), all-gathered once at the start of every ``fit`` (purpose ``setup``).
-    If a rank cannot tell (a loader without length), every rank weights equally. The model used
-    for validation, checkpoints and the end of ``fit`` is the same weighted mean over all ranks,
-    the global model of paper 002's analysis (FedAvg's aggregate). Optimizer state stays local.
+    ``|D_j|`` is the number of training examples in rank ``j``'s part of the data, by
+    :func:`lightning_dist.data.sampler.part_size` (a :class:`~lightning_dist.data.PartitionSampler`'s
+    true part size, not the per-epoch count it equalises across ranks; otherwise the examples the
+    sampler yields per epoch), summed over train loaders and all-gathered once at the start of
+    every ``fit`` (purpose ``setup``). If a rank cannot tell (a loader without length), every rank
+    weights equally, with a warning. The model used for validation, checkpoints and the end of
+    ``fit`` is the same weighted mean over all ranks, the global model of paper 002's analysis
+    (FedAvg's aggregate). Optimizer state stays local.
 
     Args:
         segments: ``S >= 1``, segments the model vector is split into; at most its number of
@@ -89,7 +92,7 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self.exchange_dataset_sizes(_examples_per_epoch(self.lightning_module.trainer.train_dataloader))
+        self.exchange_dataset_sizes(_part_size(self.lightning_module.trainer.train_dataloader))
 
     def exchange_dataset_sizes(self, local_size: int) -> Tensor:
         """All-gather every rank's ``|D_j|`` (a collective); 0 means unknown and makes all weights equal."""
@@ -216,19 +219,11 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         }
 
 
-def _examples_per_epoch(loaders: Any) -> int:
-    """Training examples this rank reads per epoch (summed over train loaders); 0 if unknown."""
-    if isinstance(loaders, DataLoader):
-        loaders = [loaders]
-    elif isinstance(loaders, Mapping):
+def _part_size(loaders: Any) -> int:
+    """``|D_j|`` of this rank, summed over its train loaders (:func:`part_size`); 0 if any is unknown."""
+    if isinstance(loaders, Mapping):
         loaders = list(loaders.values())
-    total = 0
-    for loader in loaders:
-        if not isinstance(loader, DataLoader):
-            return 0
-        sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
-        try:
-            total += len(sampler)
-        except TypeError:
-            return 0
-    return total
+    elif not isinstance(loaders, (list, tuple)):
+        loaders = [loaders]
+    sizes = [part_size(loader) for loader in loaders]
+    return 0 if None in sizes else sum(sizes)

@@ -1,11 +1,12 @@
-"""PartitionSampler: equal counts on every rank, only own-part indices, seeded per (seed, epoch, rank)."""
+"""PartitionSampler: equal counts on every rank, only own-part indices, seeded per (seed, epoch, rank);
+part_size: the true part size |D_j| of a rank's loader."""
 
 import numpy as np
 import pytest
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_dist.data.partition import make_partition
-from lightning_dist.data.sampler import PartitionSampler
+from lightning_dist.data.sampler import PartitionSampler, part_size
 
 LABELS = np.repeat(np.arange(10), 50)  # 500 examples, class-sorted on purpose
 DATASET = range(len(LABELS))
@@ -110,3 +111,26 @@ def test_bad_arguments_name_the_parameter(kwargs, parameter):
 def test_negative_epoch_is_rejected():
     with pytest.raises(ValueError, match="epoch"):
         samplers()[0].set_epoch(-1)
+
+
+def test_part_size_is_the_true_part_not_the_equalised_count():
+    ranks = samplers("dirichlet", num_replicas=4, dirichlet_alpha=0.1, seed=2)
+    parts = make_partition("dirichlet", LABELS, 4, seed=2, alpha=0.1)
+    assert [s.part_size for s in ranks] == [len(part) for part in parts]
+    assert len({s.part_size for s in ranks}) > 1 and {len(s) for s in ranks} == {125}
+    assert [part_size(DataLoader(DATASET, batch_size=8, sampler=s)) for s in ranks] == [len(part) for part in parts]
+
+
+def test_part_size_of_other_loaders_is_what_they_yield_or_unknown():
+    # torch's DistributedSampler: an equal share of a fresh split each epoch; a rank's own shard; no length: unknown.
+    shares = [DistributedSampler(range(10), num_replicas=3, rank=rank, drop_last=True) for rank in range(3)]
+    assert [part_size(DataLoader(range(10), sampler=s)) for s in shares] == [3, 3, 3]
+    assert part_size(DataLoader(range(7), batch_size=2, shuffle=True)) == 7
+    assert part_size(DataLoader(range(7), batch_size=None)) == 7
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    assert part_size(DataLoader(Stream(), batch_size=2)) is None
+    assert part_size([1, 2, 3]) is None

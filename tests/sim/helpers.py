@@ -7,12 +7,12 @@ from lightning_dist.models import MLPClassifier
 from lightning_dist.sim import NetworkModel, Simulation, SpeedModel
 
 
-def simulation(protocol, workers=4, max_steps=20, network=None, speed=None, **kwargs) -> Simulation:
+def simulation(protocol, workers=4, max_steps=20, network=None, speed=None, datamodule=None, **kwargs) -> Simulation:
     torch.manual_seed(0)
     model = MLPClassifier(num_features=64, hidden_size=16, learning_rate=0.1)
     return Simulation(
         model,
-        DigitsDataModule(batch_size=16),
+        datamodule if datamodule is not None else DigitsDataModule(batch_size=16),
         protocol,
         workers=workers,
         max_steps=max_steps,

@@ -7,6 +7,7 @@ import torch
 
 from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.algorithms.segmented_gossip import gossip_round
+from lightning_dist.data import DigitsDataModule, make_partition
 from lightning_dist.sim import (
     DynamicAveraging,
     NetworkModel,
@@ -51,6 +52,31 @@ def test_segmented_gossip_round_equals_gossip_round_of_the_models_entering_it():
     assert not torch.equal(after, before)
     # Each worker received S * R segments = R models' worth of elements.
     assert sim.simulator.network.total_bytes == 5 * 2 * before[0].nbytes
+
+
+def test_segmented_gossip_weights_workers_by_their_true_part_sizes():
+    """Dirichlet parts (unequal; every sampler yields the same count): paper 002's |D_j| are the part sizes,
+    in the round and in the global model the run is scored by."""
+    data = DigitsDataModule(batch_size=16, partition="dirichlet", seed=0)
+    protocol = SnapshotGossip(segments=3, replicas=2, period=5)
+    sim = simulation(protocol, workers=4, max_steps=5, datamodule=data)
+    sim.run()
+    sizes = [len(part) for part in make_partition("dirichlet", data.train_set.labels.numpy(), 4, seed=0, alpha=0.5)]
+    assert sim.dataset_sizes.tolist() == sizes and len(set(sizes)) == 4
+    before = torch.stack([protocol.snapshots[5][rank] for rank in range(4)])
+    after = torch.stack([replica.get() for replica in sim.replicas])
+    assert torch.equal(after, gossip_round(before, protocol.plan(1)[0], protocol.bounds, torch.tensor(sizes)))
+    assert torch.equal(protocol.global_model(), weighted_average(list(after), sizes))
+    assert not torch.allclose(protocol.global_model(), weighted_average(list(after)), rtol=0, atol=1e-4)
+
+
+def test_averaging_protocols_score_the_plain_mean_as_their_strategies_do():
+    data = DigitsDataModule(batch_size=16, partition="dirichlet", seed=0)
+    protocol = PeriodicAveraging(period=100)
+    sim = simulation(protocol, workers=3, max_steps=4, datamodule=data)
+    sim.run()
+    assert len(set(sim.dataset_sizes.tolist())) == 3
+    assert torch.equal(protocol.global_model(), weighted_average([replica.get() for replica in sim.replicas]))
 
 
 def test_periodic_averaging_replaces_every_model_by_the_mean():

@@ -12,7 +12,12 @@ import torch
 import lightning_dist
 from helpers.launch import load_results, run_ranks
 from lightning_dist import SegmentedGossipStrategy
+from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.algorithms.segmented_gossip import gossip_round, pull_plan, segment_bounds, transfers
+from lightning_dist.data import DigitsDataModule, make_partition
+from lightning_dist.model_vector import ModelVector
+from lightning_dist.models import MLPClassifier
+from lightning_dist.strategies.segmented_gossip import _part_size
 
 FLOAT = 4  # bytes per float32 element
 DIM = 17  # weights; the model vector adds a 3-element float buffer
@@ -133,16 +138,17 @@ def test_non_finite_rank_is_named_and_nothing_is_aggregated(rounds):
 def _fit(tmp_path, name, **spec):
     out = tmp_path / name
     strategy = {"class": "SegmentedGossipStrategy", "kwargs": {"segments": 3, "replicas": 1, "period": 4, "seed": 7}}
-    run_ranks(3, "fit", {"strategy": strategy, "data": {"partition": "class_sorted"}, **spec}, out)
+    run_ranks(3, "fit", {"strategy": strategy, "data": {"partition": "dirichlet"}, **spec}, out)
     results = load_results(out, 3)
     for result in results:
         assert result["error"] is None, result["error"]
     return results
 
 
-def test_fit_counts_every_segment_and_resume_is_bit_exact(tmp_path):
-    """3 ranks, S = 3, R = 1, period 4, 3 epochs of 15 steps: exact protocol bytes over the run; stopped
-    after epoch 1 (step 15, not a multiple of the period) and resumed, it ends bit for bit equal."""
+def test_fit_counts_every_segment_weights_true_part_sizes_and_resume_is_bit_exact(tmp_path):
+    """3 ranks on Dirichlet parts, S = 3, R = 1, period 4, 3 epochs of 15 steps: exact protocol bytes over
+    the run; the checkpointed model is the |D_j|-weighted mean of the ranks' replicas with the true part
+    sizes; stopped after epoch 1 (step 15, not a multiple of the period) and resumed, it ends bit for bit equal."""
     full = _fit(tmp_path, "full", trainer={"max_epochs": 3}, checkpoint_dir=str(tmp_path / "ckpt"))
     steps = full[0]["local_steps"]
     rounds = steps // 4
@@ -156,13 +162,44 @@ def test_fit_counts_every_segment_and_resume_is_bit_exact(tmp_path):
         assert result["metrics"]["segmented_gossip/rounds"] == rounds
         assert torch.equal(result["vector"], full[0]["vector"])  # every rank ends with the (weighted) average
     (checkpoint,) = sorted((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
-    assert torch.load(checkpoint, weights_only=False)["global_step"] % 4 != 0
+    state = torch.load(checkpoint, weights_only=False)
+    assert state["global_step"] % 4 != 0
+    data = DigitsDataModule(partition="dirichlet")
+    data.setup("fit")
+    sizes = [len(part) for part in make_partition("dirichlet", data.train_set.labels.numpy(), 3, seed=0, alpha=0.5)]
+    replicas = [replica["vector"] for replica in state["lightning_dist"]["replicas"]]
+    module = MLPClassifier(num_features=data.num_features, num_classes=data.num_classes)
+    module.load_state_dict(state["state_dict"])
+    consensus = ModelVector(module).get()
+    # Paper 002's global model: sum_j |D_j| W_j / sum_j |D_j| (here far from the plain mean of the replicas).
+    assert torch.allclose(consensus, weighted_average(replicas, sizes), rtol=0, atol=1e-6)
+    assert not torch.allclose(consensus, weighted_average(replicas), rtol=0, atol=1e-4)
     resumed = _fit(tmp_path, "resumed", trainer={"max_epochs": 3}, ckpt_path=str(checkpoint))
     for a, b in zip(full, resumed):
         assert torch.equal(a["vector"], b["vector"])
         assert a["local_steps"] == b["local_steps"]
         assert a["comm"].protocol_bytes == b["comm"].protocol_bytes and a["comm"].syncs == b["comm"].syncs
         assert a["protocol"] == b["protocol"] and a["metrics"] == b["metrics"]
+
+
+def test_ranks_are_weighted_by_their_true_part_sizes():
+    """Paper 002's eq. (3) with the |D_j| the strategy reads from Dirichlet parts (unequal; the sampler
+    yields the same count on every rank): each segment is sum_j |D_j| W_j[l] / sum_j |D_j| over its providers."""
+    data = DigitsDataModule(partition="dirichlet", seed=0)
+    data.setup("fit")
+    sizes = [_part_size(data.train_loader(3, rank)) for rank in range(3)]
+    parts = make_partition("dirichlet", data.train_set.labels.numpy(), 3, seed=0, alpha=0.5)
+    assert sizes == [len(part) for part in parts] and len(set(sizes)) == 3
+    assert len({len(data.train_loader(3, rank).sampler) for rank in range(3)}) == 1
+    values = [1.0, 10.0, 100.0]  # W_j: every element of rank j's model
+    models = torch.tensor(values)[:, None].repeat(1, 4)
+    plan = pull_plan(3, 2, 1, torch.Generator().manual_seed(0))
+    after = gossip_round(models, plan, segment_bounds(4, 2), torch.tensor(sizes))
+    for rank in range(3):
+        for segment, (start, stop) in enumerate(segment_bounds(4, 2)):
+            peer = int(plan[rank, segment, 0])
+            expected = (sizes[rank] * values[rank] + sizes[peer] * values[peer]) / (sizes[rank] + sizes[peer])
+            assert torch.allclose(after[rank, start:stop], torch.full((stop - start,), expected))
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,8 @@ class Protocol(ABC):
         raise RuntimeError(f"protocol {self.name!r} has no server node")
 
     def global_model(self) -> Tensor:
-        """The model the run is scored by: the mean of the replicas unless the protocol holds a global one."""
+        """The model the run is scored by: the plain mean of the replicas (what the averaging strategies
+        evaluate and checkpoint) unless the protocol weights them or holds a global model of its own."""
         return self.simulation.consensus()
 
     def metrics(self) -> dict[str, float]:

@@ -95,5 +95,10 @@ class SegmentedGossip(Protocol):
         if rank == 0:
             self.rounds_done += 1
 
+    def global_model(self) -> Tensor:
+        """The ``|D_j|``-weighted mean of the replicas, as :class:`~lightning_dist.strategies.SegmentedGossipStrategy`
+        evaluates and checkpoints it (paper 002's global model)."""
+        return self.simulation.consensus(self.simulation.dataset_sizes.tolist())
+
     def metrics(self) -> dict[str, float]:
         return {"segmented_gossip/rounds": float(self.rounds_done)}
