@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader
 
+from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.balancing import PairBalancer
 from lightning_dist.algorithms.projection import CountSketch
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
@@ -214,11 +215,15 @@ class CDGraB(Callback):
         assert self._gradients is not None
         dim = self._gradients.num_parameters
         device = self._gradients.device
+        # Differences and the running sum in at least float32: under precision="bf16-true" the gradients are
+        # bfloat16, whose running sum would round at every step (and the host loop runs on NumPy, which has
+        # no bfloat16). Read here, not in setup: the precision plugin converts the module in between.
+        dtype = accumulation_dtype(self._gradients.dtype)
         if self.projection_dim is not None:
             self._projection = CountSketch(dim, self.projection_dim, seed=self.seed, device=device)
             dim = self.projection_dim
         ranks = self._world_size if self.coordinated else 1
-        self._balancer = PairBalancer(ranks, sampler.num_samples, dim, device=device)
+        self._balancer = PairBalancer(ranks, sampler.num_samples, dim, dtype=dtype, device=device)
         self._first_non_finite = torch.full((ranks,), -1, dtype=torch.int64, device=device)
         self._sampler = sampler
         self._start_balancing_epoch()
@@ -247,7 +252,7 @@ class CDGraB(Callback):
             # Reset at the first step of the next epoch, not at the end of the last: a checkpoint
             # written in between must still hold the signs that decided the next order.
             self._start_balancing_epoch()
-        gradients = self._gradients(batch)
+        gradients = self._gradients(batch).to(self._balancer.running_sum.dtype)
         if self._projection is not None:
             gradients = self._projection(gradients)
         differences = gradients[0::2] - gradients[1::2]  # (pairs, d)

@@ -211,6 +211,49 @@ def test_one_process_is_centralised_pair_balancing():
     assert callback.bytes_sent == 0 and callback.metrics()["cdgrab/seconds"] > 0
 
 
+class _BalancedEpochRecorder(L.Callback):
+    """After CDGraB: each step's per-example gradients at the step's starting weights, cast to float32, and their
+    pair differences; the callback's signs at the end of the first epoch. The gradients come from the callback's own
+    torch.func function (an independent autograd loop agrees with it in float32, see the multi-process tests, but
+    not bit for bit in bfloat16, and one differing sign changes the rest of the walk)."""
+
+    def __init__(self, cdgrab):
+        self.cdgrab, self.differences, self.signs, self.dtypes = cdgrab, [], None, set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch:
+            return
+        gradients = self.cdgrab._gradients(batch)  # noqa: SLF001
+        self.dtypes.add(gradients.dtype)
+        gradients = gradients.float()
+        self.differences.append(gradients[0::2] - gradients[1::2])
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 0:
+            self.signs = self.cdgrab.balancer.signs.clone()
+
+
+def test_bfloat16_parameters_are_balanced_in_float32():
+    """precision="bf16-true" makes the gradients bfloat16; the running sum is float32 (it failed at the first step:
+    a float32 sum against bfloat16 differences). The signs are paper 003's balancing of the bfloat16 gradients'
+    differences taken in float32."""
+    callback = CDGraB(per_example_gradients="vmap")
+    recorder = _BalancedEpochRecorder(callback)
+    datamodule = MNIST1DDataModule(num_samples=400, batch_size=BATCH, example_order="balanced")
+    model = MLPClassifier(num_features=40, num_classes=10, hidden_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, precision="bf16-true",
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[callback, recorder],
+                        limit_val_batches=0, num_sanity_val_steps=0, max_epochs=2)
+    trainer.fit(model, datamodule=datamodule)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert recorder.dtypes == {torch.bfloat16}
+    assert callback.balancer.running_sum.dtype == torch.float32 and callback.sampler.epoch == 1
+    differences = torch.cat(recorder.differences).unsqueeze(1)  # (pairs, 1 rank, d)
+    expected = PairBalancer(1, 2 * differences.shape[0], differences.shape[2]).step(differences)
+    assert torch.equal(recorder.signs, expected)
+    assert (expected == 1).any() and (expected == -1).any()
+
+
 def test_a_random_order_sampler_is_refused():
     datamodule = MNIST1DDataModule(num_samples=400, batch_size=BATCH, example_order="random")
     with pytest.raises(ValueError, match="order='balanced'"):

@@ -1,5 +1,7 @@
 """Per-example gradients: torch.func against a plain autograd loop, and the linear-layer path against torch.func."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -135,3 +137,21 @@ def test_auto_falls_back_to_torch_func_when_the_layers_miss_a_use_of_a_weight():
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="method must be one of"):
         make_per_example_gradients(nn.Linear(2, 1), lambda m, b: m(b).view(-1), "hooks")
+
+
+def test_in_bfloat16_auto_keeps_the_linear_path_and_still_catches_a_missed_weight():
+    """bf16-true models: the two methods round their different sums differently (about 10 eps here), which must
+    not pass for a wrong gradient; a weight the layers miss still differs by far more."""
+    torch.manual_seed(0)
+    model = MLPClassifier(num_features=40, num_classes=10, hidden_size=64).to(torch.bfloat16)
+    batch = (torch.randn(16, 40).to(torch.bfloat16), torch.randint(10, (16,)))
+    gradients = make_per_example_gradients(model, _loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gradients(batch).dtype == torch.bfloat16
+    assert isinstance(gradients.method, LinearPerExampleGradients) and gradients.dtype == torch.bfloat16
+    tied = _TiedWeights().to(torch.bfloat16)
+    gradients = make_per_example_gradients(tied, lambda m, b: m(b))
+    with pytest.warns(UserWarning, match="differ from torch.func"):
+        gradients(torch.randn(4, 3).to(torch.bfloat16))
+    assert isinstance(gradients.method, PerExampleGradients)
