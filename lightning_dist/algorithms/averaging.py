@@ -11,7 +11,7 @@ divergence threshold ``Delta``, check period ``b``, violation counter ``v``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -132,24 +132,22 @@ def augment_balancing_set(
     return chosen, False
 
 
-def plan_balancing(
-    violators: Sequence[int],
-    num_ranks: int,
-    violation_counter: int,
-    generator: torch.Generator,
-    mean_within_threshold: Callable[[list[int], list[int]], bool],
-) -> tuple[list[int], int]:
-    """The coordinator's violation resolution of Algorithm 1 (paper 004).
+def balancing_rounds(
+    violators: Sequence[int], num_ranks: int, violation_counter: int, generator: torch.Generator
+) -> Generator[tuple[list[int], list[int]], bool, tuple[list[int], int]]:
+    """The coordinator's violation resolution of Algorithm 1 (paper 004), one round at a time.
 
     Starts from the violator set ``B``, applies the violation counter, then, while ``B`` is not
     all ranks and ``||mean(f_B) - r||^2 > Delta``, augments ``B`` (``augment_balancing_set``).
 
-    ``mean_within_threshold(balancing_set, newly_added)`` answers the while-condition for the
-    current ``B``; it receives the ranks added since its last call so a distributed caller can
-    fetch exactly those models. It is not called once ``B`` is all ranks.
-
-    Returns ``(B, new_violation_counter)``. ``len(B) == num_ranks`` means a full
-    synchronization: the caller averages all models and sets the reference model to the mean.
+    A generator, so that a caller can wait for models between rounds (the simulator's
+    coordinator fetches them over its virtual network): it yields ``(B, newly_added)`` whenever
+    the while-condition must be answered for the current ``B``, ``newly_added`` being the ranks
+    added since the last yield (first the violators), and takes the answer through ``send``:
+    True when the mean of ``B`` lies within the threshold. It yields nothing once ``B`` is all
+    ranks. Returns (as ``StopIteration.value``) ``(B, new_violation_counter)``;
+    ``len(B) == num_ranks`` means a full synchronization: the caller averages all models and sets
+    the reference model to the mean.
     """
     balancing_set = sorted(set(violators))
     if not balancing_set:
@@ -158,12 +156,33 @@ def plan_balancing(
     if force_full_sync:
         return list(range(num_ranks)), violation_counter
     newly_added = list(balancing_set)
-    while not mean_within_threshold(balancing_set, newly_added):
+    while not (yield balancing_set, newly_added):
         newly_added, full_sync = augment_balancing_set(balancing_set, num_ranks, generator)
         balancing_set = sorted(balancing_set + newly_added)
         if full_sync:
             break
     return balancing_set, violation_counter
+
+
+def plan_balancing(
+    violators: Sequence[int],
+    num_ranks: int,
+    violation_counter: int,
+    generator: torch.Generator,
+    mean_within_threshold: Callable[[list[int], list[int]], bool],
+) -> tuple[list[int], int]:
+    """:func:`balancing_rounds` answered by ``mean_within_threshold(B, newly_added)`` until it ends.
+
+    The callback receives the ranks added since its last call so a distributed caller can fetch
+    exactly those models. It is not called once ``B`` is all ranks. Returns ``(B, new_violation_counter)``.
+    """
+    rounds = balancing_rounds(violators, num_ranks, violation_counter, generator)
+    try:
+        balancing_set, newly_added = next(rounds)
+        while True:
+            balancing_set, newly_added = rounds.send(mean_within_threshold(balancing_set, newly_added))
+    except StopIteration as done:
+        return done.value
 
 
 def balance_models(
@@ -177,8 +196,8 @@ def balance_models(
 ) -> tuple[list[Tensor], Tensor, list[int], int]:
     """Apply Algorithm 1's synchronization operator to models held in one process.
 
-    Used by the simulator and as the executable definition the distributed strategy is tested
-    against. ``on_fetch(newly_added)`` is called whenever the coordinator needs the models of
+    The executable definition the distributed strategy is tested against (the simulator runs
+    :func:`balancing_rounds` itself, fetching models between rounds). ``on_fetch(newly_added)`` is called whenever the coordinator needs the models of
     further ranks (first the violators, then each augmentation), so a caller that moves models
     over a network knows which transfers each round of balancing takes. Returns
     ``(new_models, new_reference, balancing_set, new_violation_counter)``.

@@ -13,9 +13,10 @@ A node's process is a generator; it waits with ``yield``::
         message = yield node.recv(source=peer, tag="model")
         yield node.sleep(0.5)
 
-``execute`` runs the function for real and then lets the node's virtual clock advance by its
-duration: the measured wall time, or what the :class:`SpeedModel` says, for reproducible runs
-and for stragglers.
+``execute`` runs the function for real and occupies the node for its duration in virtual time:
+the measured wall time, or what the :class:`SpeedModel` says, for reproducible runs and for
+stragglers. What the function changes becomes visible when that interval ends (see
+:meth:`Node.execute`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class SpeedModel:
     def deterministic(self) -> bool:
         return self.step_seconds is not None and self.aggregate_seconds is not None
 
+    def modelled(self, kind: str) -> bool:
+        """Whether ``execute`` of ``kind`` ("step" or "aggregate") takes a modelled time, known before it runs."""
+        return (self.step_seconds if kind == "step" else self.aggregate_seconds) is not None
+
     def duration(self, node: int, kind: str, measured: float) -> float:
         """Virtual seconds of one ``execute`` of ``kind`` ("step" or "aggregate") that took ``measured``."""
         modelled = self.step_seconds if kind == "step" else self.aggregate_seconds
@@ -147,23 +152,39 @@ class Node:
         return None
 
     def execute(self, fn: Callable[..., T], *args: Any, kind: str = "step") -> Generator[simpy.Event, Any, T]:
-        """Run ``fn(*args)`` now, then advance this node's virtual clock by its duration.
+        """Run ``fn(*args)`` as this node's compute: the node is busy for its duration, and what ``fn``
+        changes becomes visible when that interval ends.
 
-        Use as ``result = yield from node.execute(fn, ...)``.
+        Use as ``result = yield from node.execute(fn, ...)``. With a modelled duration
+        (:meth:`SpeedModel.modelled`) the node waits first and runs ``fn`` at the end of its
+        interval, so nothing that happens during the interval (an evaluation, another node) sees
+        its effect early. A measured duration is known only once ``fn`` has run, so ``fn`` then runs
+        at the start, and a reader that must not see its effect before the interval ends reads a
+        copy taken before the call (the simulation does so for training steps).
         """
-        start = time.perf_counter()
-        result = fn(*args)
-        measured = time.perf_counter() - start
-        seconds = self.simulator.speed.duration(self.index, kind, measured)
+        speed = self.simulator.speed
+        if speed.modelled(kind):
+            seconds = speed.duration(self.index, kind, 0.0)
+            yield self.simulator.env.timeout(seconds)
+            result, measured = _timed(fn, args)
+        else:
+            result, measured = _timed(fn, args)
+            seconds = speed.duration(self.index, kind, measured)
+            yield self.simulator.env.timeout(seconds)
         self.wall_compute_seconds += measured
         self.compute_seconds += seconds
-        yield self.simulator.env.timeout(seconds)
         return result
 
     def sleep(self, seconds: float) -> simpy.Event:
         if not seconds >= 0:
             raise ValueError(f"seconds must be >= 0; got {seconds!r}")
         return self.simulator.env.timeout(seconds)
+
+
+def _timed(fn: Callable[..., T], args: tuple[Any, ...]) -> tuple[T, float]:
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
 
 
 def _matches(message: Message, source: Optional[int], tag: Hashable) -> bool:

@@ -4,7 +4,7 @@ Workers are nodes ``0 .. N-1`` of a :class:`~lightning_dist.sim.engine.Simulator
 own :class:`~lightning_dist.sim.replica.Replica` on its rank's share of the training set (the
 loader the datamodule gives rank ``i`` of ``N``) and runs the protocol after every step. A
 protocol's server or coordinator is node ``N``. Evaluation is an observer: it reads the models at
-a virtual instant and costs no virtual time.
+a virtual instant, without the steps still running then, and costs no virtual time.
 """
 
 from __future__ import annotations
@@ -117,8 +117,19 @@ class Simulation:
     # ------------------------------------------------------------------ helpers protocols use
 
     def consensus(self, weights: Optional[Sequence[float]] = None) -> Tensor:
-        """The mean of the workers' models, weighted by ``weights`` (e.g. ``dataset_sizes``) if given."""
-        return weighted_average([replica.get() for replica in self.replicas], weights)
+        """The mean of the workers' models (:meth:`worker_model`), weighted by ``weights`` (e.g.
+        ``dataset_sizes``) if given."""
+        return weighted_average([self.worker_model(rank) for rank in range(self.num_workers)], weights)
+
+    def worker_model(self, rank: int) -> Tensor:
+        """Worker ``rank``'s model as of now: without the training step it is still taking.
+
+        A step with a modelled duration changes the replica only when it ends (:meth:`Node.execute`);
+        a measured one changes it at its start, so its worker keeps the model from before the step
+        until the step's interval ends.
+        """
+        before = self._in_flight[rank]
+        return before if before is not None else self.replicas[rank].get()
 
     # ------------------------------------------------------------------ the run
 
@@ -131,6 +142,7 @@ class Simulation:
             for rank in range(self.num_workers)
         ]
         self.dataset_sizes = self._dataset_sizes()
+        self._in_flight: list[Optional[Tensor]] = [None] * self.num_workers
         self.evaluator = Evaluator(self.model, self.datamodule.val_dataloader())
         self.protocol.setup(self)
         self.simulator = Simulator(self.network_model, self.speed)
@@ -172,7 +184,10 @@ class Simulation:
             # Loading the batch is not part of the step's compute: tiny shards would start a new epoch
             # (a fresh loader iterator) almost every step, a cost that grows with the worker count.
             batch = replica.next_batch()
+            if not self.speed.modelled("step"):
+                self._in_flight[rank] = replica.get()  # see worker_model
             loss = yield from node.execute(replica.step, batch)
+            self._in_flight[rank] = None
             self._losses[rank].append(loss)
             self._total_steps += 1
             if self._total_steps >= self._next_eval:
@@ -182,6 +197,7 @@ class Simulation:
             if node.now > started:
                 wait = {"worker": rank, "step": step, "start": started, "seconds": node.now - started}
                 self.result.waits.append(wait)
+        yield from self.protocol.finish(node, rank)
 
     def _evaluate(self) -> None:
         start = time.perf_counter()
@@ -204,13 +220,13 @@ class Simulation:
             worker_row: dict[str, float] = {
                 "time": now,
                 "worker": rank,
-                "steps": replica.steps,
+                "steps": replica.steps - (self._in_flight[rank] is not None),
                 "bytes": network.bytes_sent[rank],
             }
             if losses:
                 worker_row["train_loss"] = sum(losses) / len(losses)
             if self.evaluate_workers:
-                worker_row.update(self.evaluator(replica.get()))
+                worker_row.update(self.evaluator(self.worker_model(rank)))
             self.result.worker_rows.append(worker_row)
             losses.clear()
         self._next_eval = self._total_steps + self.eval_every * self.num_workers

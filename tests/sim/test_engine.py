@@ -103,3 +103,22 @@ def test_payload_bytes_counts_tensors_and_scalars():
     assert payload_bytes({"a": torch.zeros(2, dtype=torch.float64), "b": [1.0, True]}) == 32
     with pytest.raises(TypeError, match="nbytes"):
         payload_bytes(object())
+
+
+def test_execute_makes_its_effect_visible_when_its_interval_ends():
+    simulator = Simulator(NetworkModel(), SpeedModel(step_seconds=1.0, aggregate_seconds=0.0))
+    state, seen = {"steps": 0}, []
+
+    def worker(node):
+        yield from node.execute(state.update, {"steps": 1})
+
+    def observer(node):
+        yield node.sleep(0.5)
+        seen.append(state["steps"])  # the step runs from 0 to 1: not done yet
+        yield node.sleep(0.6)
+        seen.append(state["steps"])
+
+    simulator.add_node("worker", worker)
+    simulator.add_node("observer", observer)
+    simulator.run()
+    assert seen == [0, 1]

@@ -131,10 +131,10 @@ def test_async_parameter_server_lets_fast_workers_run_ahead_of_a_straggler():
 def test_dynamic_averaging_never_syncs_under_a_huge_threshold_and_always_under_a_tiny_one():
     quiet = DynamicAveraging(divergence_threshold=1e9, check_every=5)
     sim = simulation(quiet, workers=4, max_steps=10)
-    sim.run()
+    result = sim.run()
     assert quiet.counts == {"checks": 2, "violations": 0, "full_syncs": 0, "partial_syncs": 0}
-    # Per check: an 8-byte distance from each worker and a 1-byte answer to each.
-    assert sim.simulator.network.total_bytes == 2 * 4 * (8 + 1)
+    # Paper 004: a worker whose local condition holds sends nothing and does not wait.
+    assert sim.simulator.network.total_bytes == 0 and result.waits == []
 
     eager = DynamicAveraging(divergence_threshold=1e-12, check_every=5)
     sim = simulation(eager, workers=4, max_steps=10)
@@ -144,6 +144,48 @@ def test_dynamic_averaging_never_syncs_under_a_huge_threshold_and_always_under_a
     for replica in sim.replicas[1:]:
         assert torch.equal(replica.get(), first)
     assert torch.equal(eager.reference, sim.replicas[0].vector.parameters_of(first))
+
+
+class PushWorkerZero(DynamicAveraging):
+    """Worker 0's parameters move by a squared distance of 4 at step 5; every worker's model is kept as it
+    enters the protocol after each step (``before``) and as it leaves it (``after``)."""
+
+    def setup(self, simulation):
+        super().setup(simulation)
+        self.before, self.after = {}, {}
+
+    def after_step(self, node, rank, step):
+        replica = self.simulation.replicas[rank]
+        if rank == 0 and step == 5:
+            vector, count = replica.get(), replica.vector.num_parameters
+            vector[:count] += (4.0 / count) ** 0.5
+            replica.set(vector)
+        self.before[rank, step] = replica.get()
+        yield from super().after_step(node, rank, step)
+        self.after[rank, step] = replica.get()
+
+
+def test_dynamic_averaging_spends_time_and_bytes_only_on_the_balancing_set():
+    """One violator (worker 0, squared distance 4 > Delta = 1): the coordinator adds 2 workers, whose mean with
+    it lies within Delta (4 / 9). The 3 members wait and send their models and take their mean; the other 5
+    send nothing and never wait, at either check."""
+    protocol = PushWorkerZero(divergence_threshold=1.0, check_every=5, seed=3)
+    sim = simulation(protocol, workers=8, max_steps=10)
+    result = sim.run()
+    assert protocol.counts == {"checks": 2, "violations": 1, "full_syncs": 0, "partial_syncs": 1}
+    sent = sim.simulator.network.bytes_sent
+    members = [rank for rank in range(8) if sent[rank]]
+    waited = {wait["worker"]: wait["step"] for wait in result.waits}
+    model_bytes = sim.replicas[0].get().nbytes
+    assert len(members) == 3 and members[0] == 0 and sorted(waited) == members
+    assert all(sent[rank] == model_bytes for rank in members)
+    # The coordinator: a 1-byte request to each added worker, the mean to each member.
+    assert sent[8] == 2 * 1 + 3 * model_bytes
+    assert waited[0] == 5 and all(waited[rank] > 5 for rank in members[1:])  # answered after a later step
+    # Each member's model is replaced by the mean of the models the members sent.
+    mean = weighted_average([protocol.before[rank, waited[rank]] for rank in members])
+    for rank in members:
+        assert torch.equal(protocol.after[rank, waited[rank]], mean)
 
 
 class PoisonWorker:

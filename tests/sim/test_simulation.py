@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lightning_dist.sim import NetworkModel, ParameterServer, PeriodicAveraging, SegmentedGossip, make_protocol
+from lightning_dist.sim import NetworkModel, ParameterServer, PeriodicAveraging, SegmentedGossip, SpeedModel, make_protocol
 from sim.helpers import simulation
 
 
@@ -37,6 +37,21 @@ def test_rows_record_time_steps_bytes_and_what_the_module_logs():
     summary = result.summary
     assert summary["steps"] == 30 and summary["workers"] == 3
     assert summary["compute_wall_seconds"] > 0 and summary["overhead_ratio"] > 0
+
+
+@pytest.mark.parametrize("step_seconds", [0.01, None], ids=["modelled", "measured"])
+def test_an_evaluation_does_not_see_a_step_that_ends_after_it(step_seconds):
+    """Worker 1's steps take 1000 times longer: when worker 0's second step ends (the first evaluation after
+    the start), worker 1's first step is still running, so neither its row nor the global model shows it."""
+    speed = SpeedModel(step_seconds=step_seconds, aggregate_seconds=0.0, slowdown={1: 1000.0})
+    sim = simulation(PeriodicAveraging(period=100), workers=2, max_steps=3, speed=speed, eval_every=1)
+    result = sim.run()
+    first = result.rows[1]
+    assert first["steps"] == 2 and 0 < first["time"] < result.summary["virtual_seconds"] / 100
+    rows = {(row["time"], row["worker"]): row for row in result.worker_rows}
+    assert rows[first["time"], 0]["steps"] == 2 and rows[first["time"], 1]["steps"] == 0
+    assert rows[first["time"], 1]["val_loss"] == rows[0.0, 1]["val_loss"]
+    assert rows[first["time"], 0]["val_loss"] != rows[0.0, 0]["val_loss"]
 
 
 def test_max_virtual_seconds_stops_the_run_early():

@@ -38,6 +38,11 @@ class Protocol(ABC):
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         """Runs on worker ``rank`` after its optimizer step number ``step`` (from 1); may communicate."""
 
+    def finish(self, node: Node, rank: int) -> Program:
+        """Runs on worker ``rank`` after its last step; a protocol whose peers may still need the
+        worker's model keeps serving them here. Nothing by default."""
+        yield from ()
+
     def server(self, node: Node) -> Program:
         """The program of the server node (only for protocols with ``num_servers == 1``)."""
         raise RuntimeError(f"protocol {self.name!r} has no server node")

@@ -1,30 +1,46 @@
 """Dynamic averaging (paper 004, Algorithm 1) in the simulator, with a coordinator node (node ``N``).
 
-Every ``check_every`` steps each worker tests its local condition against its copy of the
-reference model and sends the distance (8 bytes) to the coordinator. With no violation the
-coordinator answers every worker with one byte. Otherwise it runs
-:func:`~lightning_dist.algorithms.averaging.balance_models`, the executable definition that
-:class:`~lightning_dist.strategies.DynamicAveragingStrategy` is tested against, and moves the
-models that the balancing reads: one request byte and one model per rank, round by round (the
-violators, then each augmentation), and the mean back to every member of the balancing set; a
-full synchronization also replaces every worker's reference model. All workers wait at the check,
-so the models the coordinator averages are the ones in flight.
+Every ``check_every`` steps each worker tests its local condition ``||f_i - r||^2 <= Delta``
+against its copy of the reference model ``r``. A worker whose condition holds sends nothing and
+trains on at once. A violator sends its model to the coordinator and waits for the balanced one.
+
+How the coordinator learns of violations and balances them in virtual time (Algorithm 1 read
+event by event, as the authors' platform, fraunhofer-iais/dlplatform, runs it):
+
+- It idles until a violation report (the violator's model) has arrived. It then opens a
+  balancing with ``B`` = every report that has arrived by the end of that instant, and runs
+  :func:`~lightning_dist.algorithms.averaging.balancing_rounds` (the violation counter, then
+  augmentation while the mean of ``B`` violates), the code the strategy runs.
+- For every rank an augmentation adds it sends a 1-byte request. A worker answers a request at
+  the end of the step during which it arrived (at once if it has finished training): it sends
+  its model and waits for the balanced one. A rank whose own report is already queued at the
+  coordinator is not asked: that model is its answer, and so is a report that crosses a
+  request on its way.
+- Each mean of ``B`` the rounds ask about costs one aggregation (``execute``). The final mean
+  goes to every member of ``B``, which replaces its model with it; on a full synchronisation
+  (``B`` = all workers) it is also every worker's new reference model.
+- Reports that arrive during a balancing, other than answers, open the next one. The violation
+  counter counts the reports that open balancings (``v += |B|``).
+
+So only the violators, the ranks added to ``B`` and the coordinator spend virtual time or send
+bytes; members wait from sending their model until the balanced one arrives, so the average of
+all models is what it was (paper 004).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_divergence_threshold, check_steps
-from lightning_dist.algorithms.averaging import balance_models, squared_distance
-from lightning_dist.sim.engine import Node
+from lightning_dist.algorithms.averaging import balancing_rounds, local_condition_holds, weighted_average
+from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol
-from lightning_dist.strategies.local_update import NonFiniteModelError
+from lightning_dist.sim.replica import check_finite
 
-_SEND_MODEL = "send_model"
-_CONTINUE = "continue"
+_MODEL = "model"  # worker -> coordinator: (model, violated): a violation report, or the answer to a request
+_REQUEST = "request"  # coordinator -> worker: send your model (payload: the balancing's number)
+_BALANCED = "balanced"  # coordinator -> member: (balancing number, mean, full synchronisation)
 
 
 class DynamicAveraging(Protocol):
@@ -50,66 +66,122 @@ class DynamicAveraging(Protocol):
         self.reference = initial.vector.parameters_of(initial.get()).clone()
         self.references = [self.reference] * simulation.num_workers
         self.violation_counter = 0
+        self.balancings = 0
+        self._answered = [0] * simulation.num_workers  # the last balancing each worker took part in
         self.counts = {"checks": 0, "violations": 0, "full_syncs": 0, "partial_syncs": 0}
 
+    # ------------------------------------------------------------------ workers
+
     def after_step(self, node: Node, rank: int, step: int) -> Program:
+        if self._pending_request(node, rank):
+            yield from self._join(node, rank, violated=False)
         if step % self.check_every:
             return
-        round_index = step // self.check_every
+        self.counts["checks"] = max(self.counts["checks"], step // self.check_every)
         replica = self.simulation.replicas[rank]
-        distance = squared_distance(replica.vector.parameters_of(replica.get()), self.references[rank])
-        node.send(self.simulation.server, distance, tag=("distance", round_index))
+        parameters = replica.vector.parameters_of(replica.get())
+        if not local_condition_holds(parameters, self.references[rank], self.divergence_threshold):
+            yield from self._join(node, rank, violated=True)
+
+    def finish(self, node: Node, rank: int) -> Program:
+        """After its last step a worker still answers requests: its model stays part of the average."""
         while True:
-            message = yield node.recv(source=self.simulation.server, tag=("decision", round_index))
-            if message.payload == _SEND_MODEL:
-                node.send(self.simulation.server, replica.get(), tag=("model", round_index))
-                continue
-            if message.payload != _CONTINUE:
-                mean, full_sync = message.payload
-                replica.set(mean)
-                if full_sync:
-                    self.references[rank] = replica.vector.parameters_of(mean).clone()
-            return
+            request = yield node.recv(source=self.simulation.server, tag=_REQUEST)
+            if request.payload > self._answered[rank]:
+                yield from self._join(node, rank, violated=False)
+
+    def _pending_request(self, node: Node, rank: int) -> bool:
+        """Whether a request of a balancing this worker has not answered yet has arrived (taken from
+        the mailbox). Requests that its own report answered arrive first and are dropped."""
+        while (request := node.recv_nowait(source=self.simulation.server, tag=_REQUEST)) is not None:
+            if request.payload > self._answered[rank]:
+                return True
+        return False
+
+    def _join(self, node: Node, rank: int, violated: bool) -> Program:
+        """Send this worker's model to the coordinator, wait, and take the balanced model."""
+        replica = self.simulation.replicas[rank]
+        model = replica.get()
+        node.send(self.simulation.server, (model, violated), tag=_MODEL, nbytes=model.nbytes)
+        message = yield node.recv(source=self.simulation.server, tag=_BALANCED)
+        balancing, mean, full_sync = message.payload
+        self._answered[rank] = balancing
+        replica.set(mean)
+        if full_sync:
+            self.references[rank] = replica.vector.parameters_of(mean).clone()
+
+    # ------------------------------------------------------------------ coordinator
 
     def server(self, node: Node) -> Program:
-        workers = self.simulation.num_workers
-        for round_index in range(1, self.simulation.max_steps // self.check_every + 1):
-            distances = {}
-            for _ in range(workers):
-                message = yield node.recv(tag=("distance", round_index))
-                distances[message.source] = message.payload
-            self.counts["checks"] += 1
-            for rank in sorted(distances):
-                if not math.isfinite(distances[rank]):
-                    raise NonFiniteModelError(f"worker {rank} is at a non-finite distance from the reference model")
-            violators = sorted(rank for rank, value in distances.items() if value > self.divergence_threshold)
-            decision = ("decision", round_index)
-            if not violators:
-                for rank in range(workers):
-                    node.send(rank, _CONTINUE, tag=decision, nbytes=1)
+        reports: dict[int, Tensor] = {}  # violation reports waiting for a balancing
+        while True:
+            if not reports:
+                message = yield node.recv(tag=_MODEL)
+                reports[message.source] = self._receive_model(message)
+            yield node.sleep(0)  # reports arriving in the same instant join B
+            while (message := node.recv_nowait(tag=_MODEL)) is not None:
+                reports[message.source] = self._receive_model(message)
+            yield from self._balance(node, reports)
+
+    def _receive_model(self, message: Message) -> Tensor:
+        model, violated = message.payload
+        check_finite(model, message.source)
+        self.counts["violations"] += violated
+        return model
+
+    def _balance(self, node: Node, reports: dict[int, Tensor]) -> Program:
+        """One balancing of Algorithm 1 over the queued reports; later reports stay in ``reports``."""
+        self.balancings += 1
+        balancing, workers = self.balancings, self.simulation.num_workers
+        models = dict(reports)
+        reports.clear()
+        rounds = balancing_rounds(sorted(models), workers, self.violation_counter, self._generator)
+        mean, averaged = None, None
+        try:
+            members, added = next(rounds)
+            while True:
+                yield from self._fetch(node, added, models, reports, balancing)
+                mean = yield from node.execute(weighted_average, [models[r] for r in members], kind="aggregate")
+                averaged = members
+                within = local_condition_holds(
+                    self._parameters(mean), self.reference, self.divergence_threshold
+                )
+                members, added = rounds.send(within)
+        except StopIteration as done:
+            members, self.violation_counter = done.value
+        if members != averaged:  # a full synchronisation: the rounds stopped asking
+            yield from self._fetch(node, [r for r in members if r not in models], models, reports, balancing)
+            mean = yield from node.execute(weighted_average, [models[r] for r in members], kind="aggregate")
+        full_sync = len(members) == workers
+        if full_sync:
+            self.reference = self._parameters(mean).clone()
+        self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
+        for rank in members:
+            node.send(rank, (balancing, mean, full_sync), tag=_BALANCED, nbytes=mean.nbytes)
+
+    def _fetch(
+        self, node: Node, ranks: list[int], models: dict[int, Tensor], reports: dict[int, Tensor], balancing: int
+    ) -> Program:
+        """Get the models of ``ranks``: from the queued reports, or by a request and the answer."""
+        asked = set()
+        for rank in ranks:
+            if rank in models:
                 continue
-            self.counts["violations"] += len(violators)
-            fetches: list[list[int]] = []
-            models = [replica.get() for replica in self.simulation.replicas]
-            new_models, self.reference, balancing_set, self.violation_counter = yield from node.execute(
-                balance_models, models, self.reference, violators, self.divergence_threshold,
-                self.violation_counter, self._generator, fetches.append, kind="aggregate",
-            )
-            fetched = {rank for ranks in fetches for rank in ranks}
-            fetches.append([rank for rank in balancing_set if rank not in fetched])
-            for ranks in fetches:
-                for rank in ranks:
-                    node.send(rank, _SEND_MODEL, tag=decision, nbytes=1)
-                for _ in ranks:
-                    yield node.recv(tag=("model", round_index))
-            full_sync = len(balancing_set) == workers
-            self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
-            members = set(balancing_set)
-            for rank in range(workers):
-                if rank in members:
-                    node.send(rank, (new_models[rank], full_sync), tag=decision, nbytes=new_models[rank].nbytes)
-                else:
-                    node.send(rank, _CONTINUE, tag=decision, nbytes=1)
+            if rank in reports:
+                models[rank] = reports.pop(rank)
+            else:
+                node.send(rank, balancing, tag=_REQUEST, nbytes=1)
+                asked.add(rank)
+        while asked:
+            message = yield node.recv(tag=_MODEL)
+            if message.source in asked:
+                models[message.source] = self._receive_model(message)
+                asked.discard(message.source)
+            else:
+                reports[message.source] = self._receive_model(message)
+
+    def _parameters(self, vector: Tensor) -> Tensor:
+        return self.simulation.replicas[0].vector.parameters_of(vector)
 
     def metrics(self) -> dict[str, float]:
         return {f"dynamic/{key}": float(value) for key, value in self.counts.items()}
