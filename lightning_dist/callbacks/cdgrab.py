@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 
 from lightning_dist.algorithms.averaging import accumulation_dtype
@@ -176,6 +177,16 @@ class CDGraB(Callback):
                 raise ValueError(
                     f"CDGraB needs per-example losses: define per_example_loss(batch) -> Tensor of shape (batch_size,) "
                     f"on {type(pl_module).__name__}, or pass CDGraB(loss_fn=...) with loss_fn(module, batch)"
+                )
+            batch_norms = [name for name, layer in pl_module.named_modules() if isinstance(layer, _BatchNorm)]
+            if batch_norms:
+                # per_example_loss runs in training mode, where BatchNorm normalises each example with its
+                # batch's statistics: there is no per-example gradient (torch.func fails on the first step).
+                raise ValueError(
+                    f"CDGraB needs per-example gradients, which BatchNorm layers in training mode do not have (each "
+                    f"example's output depends on its whole batch); {type(pl_module).__name__} has BatchNorm at "
+                    f"{batch_norms}: use GroupNorm or LayerNorm, or pass CDGraB(loss_fn=...) that evaluates those "
+                    "layers in eval mode"
                 )
             loss_fn = _module_per_example_loss
         self._gradients = make_per_example_gradients(pl_module, loss_fn, self.per_example_gradients)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PURPOSES = ("setup", "protocol", "evaluation", "final", "checkpoint", "accounting")
-"""Why bytes were sent: ``setup`` (initial broadcast), ``protocol`` (the algorithm's own exchanges,
+"""Why bytes were sent: ``setup`` (initial broadcast, set-up checks), ``protocol`` (the algorithm's own exchanges,
 what the papers count), ``evaluation`` (averaging for validation/test), ``final`` (the average all
 ranks hold after fit), ``checkpoint`` (replicas sent to rank 0 for the checkpoint file),
 ``accounting`` (summing these counters over ranks)."""

@@ -256,6 +256,45 @@ class LocalUpdateStrategy(DDPStrategy):
         self.after_local_step(self._local_steps)
         return output
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.check_batches_per_rank(self.lightning_module.trainer)
+
+    def check_batches_per_rank(self, trainer: pl.Trainer) -> None:
+        """Refuse, on every rank, a fit whose ranks would not validate and finish together (a collective).
+
+        Ranks meet in every averaging, every validation (the consensus) and at the end of ``fit``; a
+        rank whose epoch ends early would pair its collectives with another rank's and hang or mix
+        models. So every rank must run the same number of training batches per epoch (compared here:
+        one all-gather of an integer) and decide to validate on the batch count, not on its own clock.
+        """
+        seconds = getattr(trainer, "_val_check_time_interval", None)
+        if seconds is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support a time-based val_check_interval "
+                f"(every {seconds:g} s): each rank would decide on its own clock when to validate, while "
+                "validation averages the replicas, a collective; use a float or an int val_check_interval"
+            )
+        batches = trainer.num_training_batches
+        local = torch.tensor([-1 if batches == float("inf") else int(batches)], dtype=torch.int64, device=self.root_device)
+        counts = self.comm.all_gather(local, purpose="setup").view(-1).tolist()
+        unsized = [rank for rank, count in enumerate(counts) if count < 0]
+        if unsized:
+            raise ValueError(
+                f"{type(self).__name__} needs the same number of training batches per epoch on every rank, but the train "
+                f"loader of rank(s) {unsized} has no length (an IterableDataset without __len__), so a rank whose data "
+                "ends first could not be told from the others: define __len__ (the same on every rank) or set "
+                "Trainer(limit_train_batches=<int>)"
+            )
+        if len(set(counts)) > 1:
+            listing = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+            raise ValueError(
+                f"{type(self).__name__} needs the same number of training batches per epoch on every rank (ranks meet "
+                f"to average, validate and end fit); got unequal batches per rank ({listing}), e.g. from "
+                "use_distributed_sampler=False with unequal shards: give every rank the same number of batches "
+                "(Lightning's distributed sampler does) or set Trainer(limit_train_batches=<int>) to at most the smallest"
+            )
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         trainer = self.lightning_module.trainer
@@ -388,7 +427,9 @@ class LocalUpdateStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         state = checkpoint.get(CHECKPOINT_KEY)
-        if state is None or self._vector is None:
+        # Only a resumed fit continues from the replicas; validate/test/predict(ckpt_path=...) use
+        # the consensus in the checkpoint's state_dict, the model the run evaluated and logged.
+        if state is None or not self._is_fitting():
             return
         if state["world_size"] != self.comm.world_size:
             raise ValueError(

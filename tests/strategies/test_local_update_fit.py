@@ -53,7 +53,8 @@ def test_identical_start_and_string_registration(tmp_path):
     """strategy="dynamic_avg" resolves in every process; replicas built from different seeds start equal."""
     results = _fit(tmp_path, "string", 2, "dynamic_avg", trainer={"max_steps": 3})
     assert torch.equal(results[0]["start_vector"], results[1]["start_vector"])
-    assert results[0]["comm"].bytes_by_purpose["setup"] == _model_size(results[0])
+    # The start model to the other rank, and each rank's int64 batch count to the other (the check at train start).
+    assert results[0]["comm"].bytes_by_purpose["setup"] == _model_size(results[0]) + 2 * 8
 
 
 def test_fedavg_three_ranks(tmp_path):
