@@ -1,5 +1,7 @@
-"""DownpourSGD on 3 real Gloo processes: asynchrony, the server invariant, staleness, failures, resume."""
+"""DownpourSGD on 3 real Gloo processes: asynchrony, the server invariant, staleness, BatchNorm
+statistics, synchronous rounds against the simulator, failures, resume."""
 
+import math
 import subprocess
 
 import pytest
@@ -7,10 +9,20 @@ import torch
 
 from helpers.launch import load_results, run_ranks
 from lightning_dist import DownpourSGDStrategy
+from lightning_dist.data.datamodules import DigitsDataModule
+from lightning_dist.model_vector import ModelVector
+from lightning_dist.models import MLPClassifier
+from lightning_dist.sim import ParameterServer, Simulation, SpeedModel
+from workers.downpour import BatchNormClassifier
 
 HEADER = 4 * 8
-# digits: 1437 training examples, 479 per rank with 3 ranks.
+# digits: 1437 training examples, 479 per rank with 3 ranks (20 batches of 24).
 DATA = {"batch_size": 24, "partition": "class_sorted"}
+# Synchronous with a staleness bound of 0: 20 steps per epoch, push_every 3 (epoch 1 ends mid-round), 20 rounds.
+SYNC = {"strategy": {"push_every": 3, "synchronous": True, "max_staleness": 0}, "trainer": {"max_epochs": 3}}
+# BatchNorm + Adam, asynchronous, 6 epochs: with the server adding buffer deltas, the running variance
+# went below zero (val_loss nan) at the first epoch end in every one of 5 runs; checkpoints every epoch.
+BATCHNORM = {"batchnorm": {"lr": 0.01}, "strategy": {"push_every": 20}, "trainer": {"max_epochs": 6}}
 
 
 def _fit(tmp_path, name, nprocs=3, check_errors=True, **spec):
@@ -21,6 +33,19 @@ def _fit(tmp_path, name, nprocs=3, check_errors=True, **spec):
         for result in results:
             assert result["error"] is None, result["error"]
     return results
+
+
+@pytest.fixture(scope="module")
+def synchronous_run(tmp_path_factory):
+    """One synchronous fit straight through, shared by the round test and the resume test."""
+    return _fit(tmp_path_factory.mktemp("synchronous"), "straight", **SYNC)
+
+
+@pytest.fixture(scope="module")
+def batchnorm_run(tmp_path_factory):
+    """One asynchronous BatchNorm + Adam fit with a checkpoint per epoch, shared by two tests."""
+    root = tmp_path_factory.mktemp("batchnorm")
+    return root, _fit(root, "first", checkpoint_dir=str(root / "ckpt"), **BATCHNORM)
 
 
 @pytest.mark.parametrize("synchronous", [False, True])
@@ -97,15 +122,33 @@ def test_a_failing_rank_stops_every_rank_with_an_error_naming_it(tmp_path, failu
         assert "rank 1" in errors[rank], errors
 
 
-def test_synchronous_resume_is_bit_exact(tmp_path):
+def test_synchronous_rounds_apply_the_mean_as_one_version_and_match_the_simulator(synchronous_run):
+    """Paper 001's synchronous SGD: every update of a round starts from the same version (staleness 0, so a
+    bound of 0 drops none), the server applies their mean, the round is one version. The simulator's server
+    runs the same rule: fed the same module, data and start model, it ends on the same global model."""
+    results = synchronous_run
+    steps = results[0]["global_step"]
+    server = results[0]["server"]
+    assert steps == 60 and server["version"] == steps // 3
+    assert server["rejected"] == 0 and server["accepted"] == 3 * server["version"]
+    assert server["staleness_max"] == 0 and results[0]["metrics"]["downpour/staleness_mean"] == 0
+    torch.manual_seed(1000)  # the worker's rank 0 model, which the strategy gives every rank
+    model = MLPClassifier(num_features=64, num_classes=10)
+    protocol = ParameterServer(push_every=3, synchronous=True, max_staleness=0)
+    Simulation(model, DigitsDataModule(**DATA), protocol, workers=3, max_steps=steps, eval_every=steps,
+               evaluate_workers=False, speed=SpeedModel(step_seconds=0.01, aggregate_seconds=0.0)).run()
+    assert protocol.store.version == server["version"] and protocol.store.rejected == 0
+    assert torch.allclose(protocol.store.vector, results[0]["vector"], rtol=0, atol=1e-5)
+
+
+def test_synchronous_resume_is_bit_exact(tmp_path, synchronous_run):
     """Stop after epoch 1 (steps 20, push_every 3: mid-round), resume to epoch 3: same model as straight through."""
-    spec = {"strategy": {"push_every": 3, "synchronous": True}, "trainer": {"max_epochs": 3}}
-    straight = _fit(tmp_path, "straight", **spec)
-    first = _fit(tmp_path, "first", checkpoint_dir=str(tmp_path / "ckpt"), **spec)
+    straight = synchronous_run
+    first = _fit(tmp_path, "first", checkpoint_dir=str(tmp_path / "ckpt"), **SYNC)
     checkpoint = sorted((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))[0]
     stored = torch.load(checkpoint, weights_only=False)
     assert stored["lightning_dist"]["protocol"]["server"]["version"] > 0
-    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **spec)
+    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **SYNC)
     assert torch.equal(first[0]["vector"], straight[0]["vector"])
     for a, b in zip(straight, resumed):
         assert torch.equal(a["vector"], b["vector"])
@@ -114,19 +157,35 @@ def test_synchronous_resume_is_bit_exact(tmp_path):
     assert resumed[0]["comm"].protocol_bytes == straight[0]["comm"].protocol_bytes
 
 
-def test_asynchronous_resume_restores_the_server(tmp_path):
-    spec = {"strategy": {"push_every": 3}, "trainer": {"max_epochs": 2}}
-    _fit(tmp_path, "first", checkpoint_dir=str(tmp_path / "ckpt"), **spec)
-    checkpoint = sorted((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))[0]
+def test_batchnorm_running_variance_stays_positive_and_validation_finite(batchnorm_run):
+    """The server keeps each rank's latest buffers and serves their mean, so the running variance of the
+    global model stays positive at every epoch end and its validation loss finite."""
+    _, results = batchnorm_run
+    assert len(results[0]["min_running_var"]) == len(results[0]["val_losses"]) == 6
+    assert min(results[0]["min_running_var"]) > 0, results[0]["min_running_var"]
+    assert all(math.isfinite(loss) for loss in results[0]["val_losses"]), results[0]["val_losses"]
+    server = results[0]["server"]
+    parameters = ModelVector(BatchNormClassifier(64, 10)).num_parameters
+    assert server["worker_buffers"].shape == (3, server["vector"].numel() - parameters)
+    assert torch.equal(server["vector"][parameters:], server["worker_buffers"].mean(0))
+
+
+def test_asynchronous_resume_restores_the_server(batchnorm_run):
+    root, _ = batchnorm_run
+    checkpoint = sorted((root / "ckpt").glob("epoch=2-*.ckpt"))[0]
     stored = torch.load(checkpoint, weights_only=False)
     server = stored["lightning_dist"]["protocol"]["server"]
-    # The checkpoint's model is the server's global model at the same instant.
-    flat = torch.cat([value.reshape(-1) for value in stored["state_dict"].values()])
-    assert torch.equal(flat, server["vector"])
-    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **spec)
+    # The checkpoint's model is the server's global model at the same instant, buffers included.
+    module = BatchNormClassifier(64, 10)
+    module.load_state_dict(stored["state_dict"])
+    assert torch.equal(ModelVector(module).get(), server["vector"])
+    assert server["worker_buffers"].shape[0] == 3 and not torch.equal(server["worker_buffers"][0],
+                                                                      server["worker_buffers"][1])
+    resumed = _fit(root, "resumed", ckpt_path=str(checkpoint), **BATCHNORM)
     # Version = every accepted push of the whole run, before and after the checkpoint.
     assert resumed[0]["server"]["version"] == sum(result["pushes"] for result in resumed) > server["version"] > 0
     assert all(torch.equal(resumed[0]["vector"], other["vector"]) for other in resumed[1:])
+    assert min(resumed[0]["min_running_var"]) > 0 and all(math.isfinite(v) for v in resumed[0]["val_losses"])
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 Spec keys: ``strategy`` kwargs, ``data``, ``trainer`` (extra Trainer arguments), optional
 ``slow`` (``{"rank": r, "seconds": s}``: sleep before every batch of that rank), ``raise_at``
 (``{"rank": r, "step": s}``), ``nan`` (``{"rank": r, "step": s}``), ``checkpoint_dir``,
-``ckpt_path``. Usage: see tests/helpers/launch.py.
+``ckpt_path``, ``batchnorm`` (``{"lr": a}``: train :class:`BatchNormClassifier` with Adam instead
+of the plain MLP). Usage: see tests/helpers/launch.py.
 """
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
 
 from lightning_dist import DownpourSGDStrategy
 from lightning_dist.data.datamodules import DigitsDataModule
@@ -30,6 +32,36 @@ class RecordingDownpour(DownpourSGDStrategy):
         super()._push()
         if self._rejected_pushes == rejected_before:
             self.accepted_sum = getattr(self, "accepted_sum", torch.zeros_like(update)) + update.double()
+
+
+class BatchNormClassifier(MLPClassifier):
+    """The MLP with BatchNorm1d after each hidden layer, trained with Adam: running statistics to keep right."""
+
+    def __init__(self, num_features: int, num_classes: int, hidden_size: int = 32, lr: float = 0.01) -> None:
+        super().__init__(num_features=num_features, num_classes=num_classes, hidden_size=hidden_size, learning_rate=lr)
+        self.net = nn.Sequential(
+            nn.Linear(num_features, hidden_size), nn.BatchNorm1d(hidden_size), nn.ReLU(),
+            nn.Linear(hidden_size, hidden_size), nn.BatchNorm1d(hidden_size), nn.ReLU(),
+            nn.Linear(hidden_size, num_classes),
+        )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class RunningStatistics(Callback):
+    """Rank 0, at every validation (which runs on the server's model): the smallest running variance and val_loss."""
+
+    def __init__(self) -> None:
+        self.min_running_var: list[float] = []
+        self.val_loss: list[float] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        variances = [m.running_var for m in pl_module.modules() if isinstance(m, nn.BatchNorm1d)]
+        if variances:
+            self.min_running_var.append(float(torch.cat(variances).min()))
+        if "val_loss" in trainer.callback_metrics:
+            self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
 
 
 class Timing(Callback):
@@ -68,10 +100,14 @@ def main() -> None:
     strategy = RecordingDownpour(**spec.get("strategy", {}))
     datamodule = DigitsDataModule(**spec.get("data", {}))
     torch.manual_seed(1000 + int(os.environ.get("RANK", "0")))  # the strategy must make replicas identical
-    model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes,
-                          **spec.get("model", {}))
+    if "batchnorm" in spec:
+        model = BatchNormClassifier(datamodule.num_features, datamodule.num_classes, **spec["batchnorm"])
+    else:
+        model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes,
+                              **spec.get("model", {}))
     timing = Timing(spec.get("slow"))
-    callbacks = [timing]
+    statistics = RunningStatistics()
+    callbacks = [timing, statistics]
     for key in ("raise_at", "nan"):
         if key in spec:
             callbacks.append(Fail(spec[key]["rank"], spec[key]["step"], nan=key == "nan"))
@@ -103,6 +139,8 @@ def main() -> None:
             accepted_sum=getattr(strategy, "accepted_sum", None),
             global_step=trainer.global_step,
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+            min_running_var=statistics.min_running_var,
+            val_losses=statistics.val_loss,
         )
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
