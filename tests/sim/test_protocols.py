@@ -18,6 +18,7 @@ from lightning_dist.sim import (
     SpeedModel,
 )
 from sim.helpers import simulation
+from workers.downpour import BatchNormClassifier
 
 
 class Snapshots:
@@ -37,6 +38,10 @@ class SnapshotGossip(Snapshots, SegmentedGossip):
 
 
 class SnapshotPeriodic(Snapshots, PeriodicAveraging):
+    pass
+
+
+class SnapshotServer(Snapshots, ParameterServer):
     pass
 
 
@@ -109,6 +114,20 @@ def test_synchronous_parameter_server_keeps_every_worker_on_the_global_model():
         assert torch.equal(replica.get(), protocol.store.vector)
     assert protocol.store.version == 3  # one version per synchronous round
     assert not torch.equal(protocol.store.vector, torch.cat([p.detach().reshape(-1) for p in initial]))
+
+
+def test_parameter_server_serves_the_mean_of_each_workers_latest_buffers():
+    """BatchNorm statistics are not summed as deltas: the server keeps what each worker last reported."""
+    protocol = SnapshotServer(push_every=4)
+    sim = simulation(protocol, workers=3, max_steps=12)
+    torch.manual_seed(0)
+    sim.model = BatchNormClassifier(64, 10, hidden_size=16)
+    sim.run()
+    n = sim.replicas[0].vector.num_parameters
+    latest = torch.stack([protocol.snapshots[12][rank][n:] for rank in range(3)])  # as pushed at the last step
+    assert not torch.equal(latest[0], latest[1])
+    assert torch.equal(protocol.store.worker_buffers, latest)
+    assert torch.equal(protocol.store.vector[n:], latest.mean(0))
 
 
 def test_async_parameter_server_lets_fast_workers_run_ahead_of_a_straggler():
