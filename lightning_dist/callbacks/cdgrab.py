@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
-from torch.distributed.constants import default_pg_timeout
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 
@@ -22,7 +21,7 @@ from lightning_dist.algorithms.projection import CountSketch
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._per_example import METHODS as GRADIENT_METHODS
 from lightning_dist.callbacks._per_example import GradientFunction, PerExampleLoss, make_per_example_gradients
-from lightning_dist.comm import Communicator, destroy_group, new_group
+from lightning_dist.comm import Communicator, check_timeout, destroy_group, new_group, strategy_timeout
 from lightning_dist.comm.communicator import PendingGather
 from lightning_dist.data.cdgrab_sampler import CDGraBSampler
 
@@ -75,7 +74,8 @@ class CDGraB(Callback):
             it agrees with torch.func (a warning and torch.func otherwise); torch.func for any other
             model. ``"vmap"``: always torch.func (vmap over grad).
         seed: seeds the projection.
-        timeout: timeout of the callback's process group.
+        timeout: timeout of the callback's process groups; None (default): the strategy's ``timeout``
+            (torch's default for the backend if the strategy has none).
 
     Requirements, checked when training starts (a ``ValueError`` on every rank otherwise): the
     train loader is a ``DataLoader`` with a ``CDGraBSampler(order="balanced")`` built for this
@@ -113,7 +113,7 @@ class CDGraB(Callback):
         loss_fn: Optional[PerExampleLoss] = None,
         per_example_gradients: str = "auto",
         seed: int = 0,
-        timeout: timedelta = default_pg_timeout,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         if projection_dim is not None and (
             isinstance(projection_dim, bool) or not isinstance(projection_dim, int) or projection_dim < 1
@@ -130,7 +130,7 @@ class CDGraB(Callback):
         self.loss_fn = loss_fn
         self.per_example_gradients = per_example_gradients
         self.seed = seed
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.bytes_sent = 0
         self.seconds = 0.0
         self._rank, self._world_size = 0, 1
@@ -194,8 +194,9 @@ class CDGraB(Callback):
         self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         if distributed:
             # Created by every rank in the same order; never WORLD, where Lightning runs its own collectives.
-            self._comm = Communicator(new_group(timeout=self.timeout))
-            self._control_group = new_group(backend="gloo", timeout=self.timeout)
+            timeout = self.timeout if self.timeout is not None else strategy_timeout(trainer.strategy)
+            self._comm = Communicator(new_group(timeout=timeout))
+            self._control_group = new_group(backend="gloo", timeout=timeout)
         self._loader_hook = TrainLoaderHook(trainer, self._attach)
 
     def _attach(self, loader: object) -> object:

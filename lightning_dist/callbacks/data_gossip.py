@@ -21,7 +21,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
-from torch.distributed.constants import default_pg_timeout
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.algorithms.selection import (
@@ -35,7 +34,7 @@ from lightning_dist.algorithms.selection import (
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._records import RecordCodec
 from lightning_dist.callbacks._weaving import FOREIGN, WovenLoader, check_train_loader
-from lightning_dist.comm import destroy_group, new_group
+from lightning_dist.comm import check_timeout, destroy_group, new_group, strategy_timeout
 
 _UNTAGGED = object()
 _STATE_FORMAT = 1
@@ -106,7 +105,8 @@ class DataGossip(Callback):
             that (``downpour_sgd``); with lockstep strategies their collectives would get out of
             step and hang.
         seed: seeds each rank's selection and shuffling (with the rank, so ranks differ).
-        timeout: timeout of the gossip process groups' operations.
+        timeout: timeout of the gossip process groups' operations; None (default): the strategy's
+            ``timeout`` (torch's default for Gloo if the strategy has none).
 
     Attributes (this rank's):
         bytes_sent: record bytes this rank put on the wire: ``k * record_bytes * (world_size - 1)``
@@ -183,7 +183,7 @@ class DataGossip(Callback):
         spl_growth: float = SPL_GROWTH,
         wait_for_exchange: bool = True,
         seed: int = 0,
-        timeout: timedelta = default_pg_timeout,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         super().__init__()
         self.records_per_exchange = _check_int("records_per_exchange", records_per_exchange, 1)
@@ -197,9 +197,7 @@ class DataGossip(Callback):
             raise ValueError(f"wait_for_exchange must be True or False; got {wait_for_exchange!r}")
         self.wait_for_exchange = wait_for_exchange
         self.seed = _check_int("seed", seed, 0)
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be a positive datetime.timedelta; got {timeout!r}")
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
 
         # Checkpointed, per rank.
         self.bytes_sent = 0
@@ -288,8 +286,9 @@ class DataGossip(Callback):
         # Created by every rank, in the same order as any other group (setup runs on all ranks).
         # The previous fit's control group served its checkpoints until now.
         destroy_group(self._control_group)
-        self._data_group = new_group(backend="gloo", timeout=self.timeout)
-        self._control_group = new_group(backend="gloo", timeout=self.timeout)
+        timeout = self.timeout if self.timeout is not None else strategy_timeout(trainer.strategy)
+        self._data_group = new_group(backend="gloo", timeout=timeout)
+        self._control_group = new_group(backend="gloo", timeout=timeout)
         self._calls = 0
         self._inflight = None
         self._received = None

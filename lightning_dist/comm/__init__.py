@@ -1,7 +1,7 @@
 """Counted communication: every byte between ranks goes through ``Communicator``."""
 
 from lightning_dist.comm.communicator import Communicator
-from lightning_dist.comm.groups import destroy_group, new_group
+from lightning_dist.comm.groups import check_timeout, destroy_group, new_group, strategy_timeout
 from lightning_dist.comm.stats import PURPOSES, CommStats
 
-__all__ = ["PURPOSES", "CommStats", "Communicator", "destroy_group", "new_group"]
+__all__ = ["PURPOSES", "CommStats", "Communicator", "check_timeout", "destroy_group", "new_group", "strategy_timeout"]

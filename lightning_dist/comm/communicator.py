@@ -6,6 +6,13 @@ of the bandwidth-optimal algorithms Gloo and NCCL use for large tensors: a broad
 tensor once to each of the ``m - 1`` other ranks, an all-gather delivers each rank's tensor to
 the ``m - 1`` others, a gather delivers each other rank's tensor once to the destination, a ring all-reduce moves ``2 (m - 1) / m`` of the tensor per rank.
 ``tests/comm/test_wire_bytes.py`` checks these counts against loopback traffic.
+
+Gloo moves host memory: its point-to-point calls take a tensor's address as a host buffer, so a
+CUDA tensor sent over a Gloo group (``process_group_backend="gloo"`` with a GPU model, or
+DownpourSGD's Gloo server group) would hand the socket a device pointer. On a group whose backend
+for the tensor's device is Gloo, every operation therefore stages non-host tensors through host
+memory (:func:`stages_through_host`): a host copy travels, and results come back on the caller's
+device in the caller's dtype. NCCL groups move device tensors directly.
 """
 
 from __future__ import annotations
@@ -20,20 +27,43 @@ from lightning_dist.comm.groups import destroy_group
 from lightning_dist.comm.stats import CommStats
 
 
+HOST = torch.device("cpu")
+
+
 def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class PendingGather:
-    """A gather in flight: :meth:`wait` returns every rank's tensor stacked in rank order (None off the destination)."""
+def stages_through_host(backend_config: str, device: torch.device) -> bool:
+    """Whether tensors on ``device`` must travel through host memory on a group with ``backend_config``.
 
-    def __init__(self, work: dist.Work, gathered: Tensor | None) -> None:
+    ``backend_config`` is ``dist.get_backend_config(group)``: ``"cpu:gloo,cuda:gloo"`` for a Gloo
+    group, ``"cuda:nccl"`` for NCCL, ``"cpu:gloo,cuda:nccl"`` for a mixed one, or a bare backend
+    name for every device. A host tensor never stages; another device's stages when the backend
+    that would carry it (its own entry, else the host's) is Gloo.
+    """
+    if device.type == "cpu":
+        return False
+    backends: dict[str, str] = {}
+    for entry in backend_config.lower().split(","):
+        device_type, _, backend = entry.strip().rpartition(":")
+        backends[device_type or "*"] = backend
+    backend = backends.get(device.type, backends.get("*", backends.get("cpu")))
+    return backend == "gloo"
+
+
+class PendingGather:
+    """A gather in flight: :meth:`wait` returns every rank's tensor stacked in rank order (None off the destination),
+    on ``device`` (the caller's, when the gather went through host memory)."""
+
+    def __init__(self, work: dist.Work, gathered: Tensor | None, device: torch.device) -> None:
         self._work = work
         self._gathered = gathered
+        self._device = device
 
     def wait(self) -> Tensor | None:
         self._work.wait()
-        return self._gathered
+        return self._gathered.to(self._device) if self._gathered is not None else None
 
 
 class Communicator:
@@ -52,6 +82,21 @@ class Communicator:
         if self.world_size != dist.get_world_size():
             raise ValueError("Communicator needs a process group that holds every rank")
         self.stats = CommStats()
+        self._backend_config = dist.get_backend_config(group)
+
+    def wire_device(self, device: torch.device) -> torch.device:
+        """Where a tensor on ``device`` travels on this group: the host if the group's backend is Gloo for it."""
+        return HOST if stages_through_host(self._backend_config, device) else device
+
+    def _to_wire(self, tensor: Tensor) -> Tensor:
+        """``tensor`` itself, contiguous, or its host copy when it must stage."""
+        return tensor.contiguous().to(self.wire_device(tensor.device))
+
+    def _receive_buffer(self, buffer: Tensor) -> Tensor:
+        """Where to receive into ``buffer``: itself, or a host buffer of its shape and dtype when it must stage."""
+        wire_device = self.wire_device(buffer.device)
+        return buffer if wire_device == buffer.device and buffer.is_contiguous() else torch.empty_like(
+            buffer, device=wire_device, memory_format=torch.contiguous_format)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -71,10 +116,11 @@ class Communicator:
 
     def all_gather(self, tensor: Tensor, purpose: str) -> Tensor:
         """Every rank's ``tensor``, stacked along a new first dimension in rank order."""
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor.contiguous(), group=self.group)
+        wire = self._to_wire(tensor)
+        gathered = [torch.empty_like(wire) for _ in range(self.world_size)]
+        dist.all_gather(gathered, wire, group=self.group)
         self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
-        return torch.stack(gathered)
+        return torch.stack(gathered).to(tensor.device)
 
     def start_gather(self, tensor: Tensor, dst: int, purpose: str) -> PendingGather:
         """Start gathering every rank's ``tensor`` on ``dst`` without waiting; ``.wait()`` on the result gives the stack.
@@ -83,19 +129,25 @@ class Communicator:
         goes on computing; ``tensor`` must not change until then. Counted at the senders: each of
         the ``m - 1`` other ranks sends its tensor once.
         """
-        tensor = tensor.contiguous()
-        gathered = tensor.new_empty(self.world_size, *tensor.shape) if self.rank == dst else None
+        wire = self._to_wire(tensor)
+        gathered = wire.new_empty(self.world_size, *wire.shape) if self.rank == dst else None
         outputs = list(gathered.unbind(0)) if gathered is not None else None
-        work = dist.gather(tensor, outputs, dst=dst, group=self.group, async_op=True)
+        work = dist.gather(wire, outputs, dst=dst, group=self.group, async_op=True)
         if self.rank != dst:
             self.stats.record(purpose, _nbytes(tensor), 1)
-        return PendingGather(work, gathered)
+        return PendingGather(work, gathered, tensor.device)
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
         """Sum ``tensor`` over all ranks in place."""
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self._all_reduce_sum_(tensor)
         self._record_all_reduce(tensor, purpose)
         return tensor
+
+    def _all_reduce_sum_(self, tensor: Tensor) -> None:
+        wire = self._to_wire(tensor)
+        dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group)
+        if wire is not tensor:
+            tensor.copy_(wire)
 
     def _record_all_reduce(self, tensor: Tensor, purpose: str) -> None:
         # The ring's total 2 (m - 1) |t| split over ranks; rank 0 takes the remainder so the
@@ -106,26 +158,29 @@ class Communicator:
 
     def broadcast_(self, tensor: Tensor, src: int, purpose: str) -> Tensor:
         """Overwrite ``tensor`` on every rank with ``src``'s copy. Counted at the source."""
-        dist.broadcast(tensor, src=src, group=self.group)
+        wire = self._to_wire(tensor)
+        dist.broadcast(wire, src=src, group=self.group)
+        if wire is not tensor:
+            tensor.copy_(wire)
         if self.rank == src:
             self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
         return tensor
 
     def send(self, tensor: Tensor, destinations: Sequence[int], purpose: str) -> None:
         """Send ``tensor`` to each destination rank (one message each), waiting for completion."""
-        tensor = tensor.contiguous()
-        requests = [dist.isend(tensor, dst=dst, group=self.group) for dst in destinations]
+        wire = self._to_wire(tensor)
+        requests = [dist.isend(wire, dst=dst, group=self.group) for dst in destinations]
         for request in requests:
             request.wait()
         self.stats.record(purpose, len(destinations) * _nbytes(tensor), len(destinations))
 
     def receive(self, like: Tensor, sources: Sequence[int]) -> list[Tensor]:
-        """One tensor shaped like ``like`` from each source rank, in the order of ``sources``."""
-        buffers = [torch.empty_like(like) for _ in sources]
+        """One tensor shaped like ``like`` (its dtype, on its device) from each source rank, in the order of ``sources``."""
+        buffers = [torch.empty(like.shape, dtype=like.dtype, device=self.wire_device(like.device)) for _ in sources]
         requests = [dist.irecv(buffer, src=src, group=self.group) for buffer, src in zip(buffers, sources)]
         for request in requests:
             request.wait()
-        return buffers
+        return [buffer.to(like.device) for buffer in buffers]
 
     def exchange(
         self, sends: Sequence[tuple[Tensor, int]], receives: Sequence[tuple[Tensor, int]], purpose: str
@@ -136,20 +191,27 @@ class Communicator:
         that serve each other cannot deadlock. Counted at the sender: one message per send. Between
         one pair of ranks, receives must be listed in the order of the matching sends.
         """
-        operations = [dist.P2POp(dist.isend, tensor.contiguous(), dst, group=self.group) for tensor, dst in sends]
-        operations += [dist.P2POp(dist.irecv, buffer, src, group=self.group) for buffer, src in receives]
+        staged = [(buffer, self._receive_buffer(buffer)) for buffer, _ in receives]
+        operations = [dist.P2POp(dist.isend, self._to_wire(tensor), dst, group=self.group) for tensor, dst in sends]
+        operations += [dist.P2POp(dist.irecv, wire, src, group=self.group) for (_, wire), (_, src) in zip(staged, receives)]
         if operations:
             for request in dist.batch_isend_irecv(operations):
                 request.wait()
+        for buffer, wire in staged:
+            if wire is not buffer:
+                buffer.copy_(wire)
         self.stats.record(purpose, sum(_nbytes(tensor) for tensor, _ in sends), len(sends))
 
     def send_object(self, payload: bytes, destination: int, purpose: str, device: torch.device) -> None:
-        """Send a byte string (length first, then the bytes) to one rank."""
+        """Send a byte string (length first, then the bytes) to one rank; ``device`` is where the group's backend
+        takes tensors (the host for Gloo)."""
+        device = self.wire_device(device)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         self.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), [destination], purpose)
         self.send(data, [destination], purpose)
 
     def receive_object(self, source: int, device: torch.device) -> bytes:
+        device = self.wire_device(device)
         (length,) = self.receive(torch.zeros(1, dtype=torch.int64, device=device), [source])
         (data,) = self.receive(torch.empty(int(length.item()), dtype=torch.uint8, device=device), [source])
         return data.cpu().numpy().tobytes()
@@ -170,7 +232,7 @@ class Communicator:
         local = self.stats.to_vector()
         if extra is not None:
             local = [mine + theirs for mine, theirs in zip(local, extra.to_vector())]
-        vector = torch.tensor(local + [syncs], dtype=torch.int64, device=device)
-        dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.group)
+        vector = torch.tensor(local + [syncs], dtype=torch.int64, device=self.wire_device(device))
+        self._all_reduce_sum_(vector)
         values = vector.tolist()
         return CommStats.from_vector(values[:-1], values[-1] if sum_syncs else syncs)

@@ -21,7 +21,12 @@ _destroy_registered = False
 
 
 def new_group(backend: str | None = None, timeout: timedelta | None = None) -> dist.ProcessGroup:
-    """``dist.new_group()`` over every rank (a collective), destroyed at exit at the latest."""
+    """``dist.new_group()`` over every rank (a collective), destroyed at exit at the latest.
+
+    ``timeout`` bounds every operation on the group. torch does not take it from the default
+    group: None means the backend's default (30 min for Gloo, 10 min for NCCL), so callers pass
+    the strategy's (:func:`strategy_timeout`).
+    """
     global _destroy_registered
     if not _destroy_registered:
         atexit.register(_destroy_all_groups)
@@ -42,3 +47,20 @@ def destroy_group(group: dist.ProcessGroup | None) -> None:
 def _destroy_all_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def check_timeout(timeout: timedelta | None) -> timedelta | None:
+    """``timeout`` if it is None or a positive ``timedelta``; a ValueError naming the parameter otherwise."""
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout must be None or a positive datetime.timedelta; got {timeout!r}")
+    return timeout
+
+
+def strategy_timeout(strategy: object) -> timedelta | None:
+    """The ``timeout`` a Lightning strategy was built with (its collectives' bound), None if it has none.
+
+    Lightning's DDP-family strategies keep it as ``_timeout`` and pass it to
+    ``init_process_group``; the groups this package adds use the same bound, so a rank that
+    stops answering fails the others within the user's timeout, not torch's default.
+    """
+    return getattr(strategy, "_timeout", None)

@@ -99,7 +99,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         # Gloo whatever the model's backend: the server receives from any rank, which NCCL cannot.
         if self._ps_comm is not None:
             self._ps_comm.close()
-        self._ps_comm = Communicator(new_group(backend="gloo"))
+        self._ps_comm = Communicator(new_group(backend="gloo", timeout=self._timeout))
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)

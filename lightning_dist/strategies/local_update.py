@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -43,6 +44,18 @@ from lightning_dist.model_vector import ModelVector
 CHECKPOINT_KEY = "lightning_dist"
 
 
+def pack_replica(state: Mapping[str, Any]) -> bytes:
+    """A rank's checkpoint part as bytes for the trip to rank 0."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def unpack_replica(payload: bytes) -> dict[str, Any]:
+    """:func:`pack_replica`'s bytes back, every tensor on the host whatever device it was saved from."""
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+
+
 class NonFiniteModelError(RuntimeError):
     """A replica's parameters are NaN or infinite; averaging it would poison every rank."""
 
@@ -55,7 +68,7 @@ class LocalUpdateStrategy(DDPStrategy):
             same choices without exchanging them).
         process_group_backend: ``"gloo"`` or ``"nccl"``; Lightning picks from the accelerator
             when None.
-        timeout: timeout of collective operations.
+        timeout: timeout of collective operations, Lightning's and this strategy's own process group's.
         start_method: how Lightning launches processes when it launches them itself.
     """
 
@@ -113,7 +126,7 @@ class LocalUpdateStrategy(DDPStrategy):
         # group stays usable until here (e.g. for ``trainer.save_checkpoint`` after ``fit``).
         if self._comm is not None:
             self._comm.close()
-        self._comm = Communicator(new_group(backend=self._get_process_group_backend()))
+        self._comm = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout))
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -398,14 +411,21 @@ class LocalUpdateStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _replica_state(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint, every tensor on the host.
+
+        Rank 0 holds all ranks' parts in its own process: a GPU tensor of rank k would be unpickled
+        onto ``cuda:k`` there (a CUDA context and memory on another rank's GPU, an error where rank
+        0 has fewer GPUs). Each rank moves its own state back to its device when it resumes.
+        """
         numpy_state = np.random.get_state()
         return {
             "vector": (self._evaluation_stash if self._evaluation_stash is not None else self.model_vector.get()).cpu(),
-            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "optimizers": [apply_to_collection(optimizer.state_dict(), Tensor, Tensor.cpu) for optimizer in self.optimizers],
             "comm": self.comm.stats.state_dict(),
-            "worker": self.worker_state_dict(),
+            "worker": apply_to_collection(self.worker_state_dict(), Tensor, Tensor.cpu),
             "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # This rank's GPU only: get_rng_state_all() would start a CUDA context on every visible GPU.
+            "cuda_rng": [torch.cuda.get_rng_state(self.root_device)] if self.root_device.type == "cuda" else [],
             "python_rng": random.getstate(),
             "numpy_rng": {"keys": torch.from_numpy(numpy_state[1].astype(np.int64)), "rest": list(numpy_state[2:])},
         }
@@ -414,14 +434,11 @@ class LocalUpdateStrategy(DDPStrategy):
         # Pickled per rank and sent to rank 0 point to point: optimizer states are nested dicts.
         local = self._replica_state()
         if not self.is_global_zero:
-            buffer = io.BytesIO()
-            torch.save(local, buffer)
-            self.comm.send_object(buffer.getvalue(), 0, "checkpoint", self.root_device)
+            self.comm.send_object(pack_replica(local), 0, "checkpoint", self.root_device)
             return None
         replicas = [local]
         for source in range(1, self.comm.world_size):
-            payload = self.comm.receive_object(source, self.root_device)
-            replicas.append(torch.load(io.BytesIO(payload), weights_only=False))
+            replicas.append(unpack_replica(self.comm.receive_object(source, self.root_device)))
         return replicas
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -447,7 +464,8 @@ class LocalUpdateStrategy(DDPStrategy):
         self.load_worker_state_dict(replica.get("worker", {}))
         torch.set_rng_state(replica["torch_rng"])
         if replica["cuda_rng"]:
-            torch.cuda.set_rng_state_all(replica["cuda_rng"])
+            (cuda_rng,) = replica["cuda_rng"]
+            torch.cuda.set_rng_state(cuda_rng, self.root_device)
         random.setstate(replica["python_rng"])
         np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
 

@@ -100,3 +100,25 @@ def test_resume_ends_with_the_uninterrupted_model(tmp_path, strategy):
         assert a["comm"].protocol_bytes == b["comm"].protocol_bytes and a["comm"].syncs == b["comm"].syncs
         for key, value in a["protocol"].items():
             assert torch.equal(value, b["protocol"][key]) if isinstance(value, torch.Tensor) else value == b["protocol"][key]
+
+
+def test_a_replica_saved_from_another_gpu_loads_on_the_host(monkeypatch):
+    """Rank 0 unpickles every rank's checkpoint part in its own process. A part saved from cuda:1 must land on the
+    host there, not on cuda:1 of rank 0's machine (a context and memory on another rank's GPU, or an error).
+    The payload is made with a storage tagger that records cuda:1 as the tensors' location, which is what torch.save
+    writes on a GPU; on this CPU-only machine loading it as saved fails, which shows it claims the GPU."""
+    import io
+
+    from lightning_dist.strategies.local_update import pack_replica, unpack_replica
+
+    monkeypatch.setattr(torch.serialization, "_package_registry", list(torch.serialization._package_registry))
+    torch.serialization.register_package(0, lambda storage: "cuda:1", lambda storage, location: None)
+    state = {"vector": torch.arange(3.0), "optimizers": [{"state": {0: {"exp_avg": torch.full((2, 2), 0.5)}}}],
+             "cuda_rng": [torch.ones(4, dtype=torch.uint8)]}
+    payload = pack_replica(state)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(io.BytesIO(payload), weights_only=False)
+    loaded = unpack_replica(payload)
+    tensors = [loaded["vector"], loaded["optimizers"][0]["state"][0]["exp_avg"], loaded["cuda_rng"][0]]
+    assert all(tensor.device == torch.device("cpu") for tensor in tensors)
+    assert torch.equal(tensors[0], state["vector"]) and torch.equal(tensors[1], torch.full((2, 2), 0.5))
