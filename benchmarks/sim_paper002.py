@@ -3,8 +3,9 @@
 Part 1, paper 002's scalability study (its section 5): FedAvg (all workers take part, an
 aggregation server), plain gossip (``S = 1, R = 2``) and segmented gossip (``S = 10, R = 2``),
 ``tau = 40`` local steps between synchronisations, on 20, 30 and 40 workers behind 100 Mbit/s per
-node and 10 Mbit/s per link; the score is the virtual time until the global model (the
-dataset-size weighted mean of the workers' models) first reaches a target accuracy. The paper
+node and 10 Mbit/s per link; the score is the virtual time until the global model (for gossip the
+mean of the workers' models weighted by their part sizes ``|D_j|``, paper 002's eq. 3; for FedAvg,
+whose strategy averages plainly, the plain mean) first reaches a target accuracy. The paper
 reports segmented gossip 2.25x (20 workers) to 3.01x (40 workers) faster than FedAvg. Paper 002
 trains McMahan et al.'s CIFAR-10 CNN (about 10^6 parameters); here every worker trains an MLP
 64-1024-1024-10 (1,126,410 parameters, 4.5 MB) on scikit-learn digits, so a model costs as
@@ -321,7 +322,7 @@ def paper_table(report: dict[str, Any]) -> str:
         lines.append(f"| {workers} | " + " | ".join(fmt(sg.get(f"{t:g}"), ".2f") + "x" for t in part["targets"])
                      + " | " + " | ".join(fmt(go.get(f"{t:g}"), ".2f") + "x" for t in part["targets"])
                      + f" | {fmt(sgg, '.2f')}x | {fmt(paper, '.2f') + 'x' if paper else '2.25-3.01x (between)'} |")
-    lines.append(f"t->A: virtual seconds until the global model (weighted mean of the workers) first has val_acc >= A, "
+    lines.append(f"t->A: virtual seconds until the global model (mean of the workers; |D_j|-weighted for gossip) first has val_acc >= A, "
                  f"evaluated every tau={PERIOD} steps just before each synchronisation; rounds = tau-periods of local "
                  "steps by then; s/round: median virtual seconds between evaluations; speedup X/Y = t_Y / t_X")
     return "\n".join(lines)
