@@ -161,8 +161,16 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._syncs += 1
 
     def consensus(self, purpose: str) -> Tensor:
-        """The server's global model, broadcast from rank 0 (all ranks evaluate the same model)."""
+        """The server's global model once every rank's updates so far are in, broadcast from rank 0.
+
+        Every rank calls this after its last push, and a push returns once the server applied it;
+        the barrier makes rank 0 wait for that before its snapshot. Without it a slower rank's last
+        update could land between the validation's snapshot and the checkpoint's, and the best
+        checkpoint would hold another model than the one that scored best.
+        """
         like = self.model_vector.get()
+        if self._server is not None or self._client is not None:
+            dist.barrier(group=self.comm.group)
         if self._server is not None:
             vector, _ = self._server.snapshot()
             vector = vector.to(like.device, like.dtype)

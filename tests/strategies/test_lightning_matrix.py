@@ -241,3 +241,45 @@ def test_cell(launches, column, cell):
         for error in errors:
             assert error is not None and re.search(expected, error), error
 
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_COLUMNS = {"`dynamic_avg`": "dynamic_avg", "`periodic_avg`": "periodic_avg", "`fedavg`": "fedavg",
+                  "`downpour_sgd`": "downpour_sgd", "`segmented_gossip`": "segmented_gossip",
+                  "`DataGossip`": "datagossip", "`CDGraB`": "cdgrab"}
+README_ROWS = {
+    "`accumulate_grad_batches=2`": "accumulate_grad_batches", "`gradient_clip_val=1.0`": "gradient_clip_val",
+    '`precision="bf16-mixed"`': "bf16_mixed", "manual optimization": "manual_optimization",
+    "two optimizers (manual)": "two_optimizers",
+    '`ModelCheckpoint(monitor="val_loss")`, best reloaded in one process': "checkpoint_best",
+    "`validate` / `test` / `predict` after fit": "evaluate_after_fit", "`val_check_interval=0.5`": "val_check_interval",
+    "time-based `val_check_interval`": "val_check_interval_time", "`max_steps=5`": "max_steps",
+    "`limit_train_batches=0.25`": "limit_train_batches",
+    "`IterableDataset` with `__len__`, equal shards": "iterable_dataset",
+    "`IterableDataset` without `__len__`": "iterable_dataset_unsized",
+    "unequal batches per rank (`use_distributed_sampler=False`, 10 and 6 batches)": "unequal_batches",
+    "BatchNorm layers": "batchnorm",
+}
+
+
+def test_readme_table_is_this_matrix():
+    """Every cell of the README's table says what MATRIX asserts ("not covered" where it runs nothing)."""
+    text = README.read_text()
+    start = text.index("## Lightning compatibility")
+    section = text[start : text.index("\n## ", start)]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    columns = [README_COLUMNS[name] for name in header[1:]]
+    rows = {}
+    for line in lines[1:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[README_ROWS[cells[0]]] = dict(zip(columns, cells[1:]))
+    assert set(rows) == set(MATRIX)
+    for cell, by_column in rows.items():
+        for column, text_cell in by_column.items():
+            expected = MATRIX[cell].get(column)
+            if expected is None:
+                assert text_cell.startswith("not covered") or (cell == "batchnorm" and text_cell.startswith("works")), \
+                    (cell, column, text_cell)
+            else:
+                assert text_cell.startswith("works" if expected == WORKS else "refused"), (cell, column, text_cell)

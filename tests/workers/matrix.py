@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from helpers.user_models import DigitsCNN, DigitsImages
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 CELL_SECONDS = 60
+STRAGGLER_SECONDS = 0.1
 LIMIT = 6  # training batches per epoch in most cells
 UNEQUAL_SHARDS = (320, 192, 256)  # examples per rank: 10, 6 and 8 batches of 32
 
@@ -78,6 +80,14 @@ class Recorder(Callback):
                                      "global_step": trainer.global_step})
 
 
+class Straggler(Callback):
+    """Rank 1 sleeps before every batch, so the other ranks reach each validation first."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1:
+            time.sleep(STRAGGLER_SECONDS)
+
+
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
@@ -112,6 +122,9 @@ def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
         callbacks.insert(0, make_callback())
     checkpoint = None
     if cell == "checkpoint_best":
+        if column == "downpour_sgd":
+            # Its ranks are not in step: the best checkpoint must still hold the model that scored best.
+            callbacks.append(Straggler())
         checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", mode="min", save_top_k=1)
         callbacks.append(checkpoint)
     trainer = L.Trainer(
