@@ -8,7 +8,8 @@ How the coordinator learns of violations and balances them in virtual time (Algo
 event by event, as the authors' platform, fraunhofer-iais/dlplatform, runs it):
 
 - It idles until a violation report (the violator's model) has arrived. It then opens a
-  balancing with ``B`` = every report that has arrived by the end of that instant, and runs
+  balancing with ``B`` = every report that has arrived by then (reports arriving in the same
+  virtual instant included), and runs
   :func:`~lightning_dist.algorithms.averaging.balancing_rounds` (the violation counter, then
   augmentation while the mean of ``B`` violates), the code the strategy runs.
 - For every rank an augmentation adds it sends a 1-byte request. A worker answers a request at
@@ -163,7 +164,7 @@ class DynamicAveraging(Protocol):
         self, node: Node, ranks: list[int], models: dict[int, Tensor], reports: dict[int, Tensor], balancing: int
     ) -> Program:
         """Get the models of ``ranks``: from the queued reports, or by a request and the answer."""
-        asked = set()
+        asked: set[int] = set()
         for rank in ranks:
             if rank in models:
                 continue
