@@ -373,7 +373,7 @@ class DataGossip(Callback):
         if tag is FOREIGN:
             self.foreign_batches += 1  # foreign losses are not recorded: the records belong to other ranks
             return
-        losses = _per_example_losses(outputs, len(tag))
+        losses = _per_example_losses(outputs, len(tag), manual=not pl_module.automatic_optimization)
         if losses is not None:
             # Kept on the device until the epoch ends: copying to the host here would make every
             # step wait for the accelerator.
@@ -663,8 +663,12 @@ def _wire_bytes(payload: Tensor, world_size: int) -> int:
     return payload.numel() * payload.element_size() * (world_size - 1)
 
 
-def _per_example_losses(outputs: Any, batch_size: int) -> Optional[Tensor]:
-    """The per-example losses in a training step's outputs; None for a skipped step."""
+def _per_example_losses(outputs: Any, batch_size: int, manual: bool = False) -> Optional[Tensor]:
+    """The per-example losses in a training step's outputs; None for a step Lightning skipped.
+
+    With manual optimization there are no skipped steps (``training_step`` returning None is the
+    norm there), so missing losses are an error: the selector would never see a loss.
+    """
     recipe = (
         "DataGossip ranks training records by their loss: training_step must return the batch loss and the "
         "per-example losses, e.g. per_example = F.cross_entropy(logits, y, reduction='none'); "
@@ -675,9 +679,10 @@ def _per_example_losses(outputs: Any, batch_size: int) -> Optional[Tensor]:
     if not isinstance(outputs, Mapping):
         raise ValueError(f"{recipe}; got outputs of type {type(outputs).__name__}")
     if "per_example_loss" not in outputs:
-        if outputs.get("loss") is None:
+        if outputs.get("loss") is None and not manual:
             return None  # training_step returned None: Lightning skipped the step
-        raise ValueError(f"{recipe}; got outputs with keys {sorted(outputs)} (no 'per_example_loss')")
+        manual_note = ", with manual optimization" if manual else ""
+        raise ValueError(f"{recipe}; got outputs with keys {sorted(outputs)} (no 'per_example_loss'{manual_note})")
     losses = torch.as_tensor(outputs["per_example_loss"]).detach().reshape(-1)
     if losses.numel() != batch_size:
         raise ValueError(

@@ -101,7 +101,8 @@ def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
     trainer_kwargs, module_kwargs, data_kwargs = (dict(part) for part in CELLS[cell])
     if column == "datagossip":
         # Records are exchanged after an epoch and woven into the next: two epochs, so they are.
-        module_kwargs["per_example_outputs"] = True
+        # manual_optimization keeps the module's default (training_step returns nothing), which DataGossip refuses.
+        module_kwargs["per_example_outputs"] = cell != "manual_optimization"
         if "max_steps" not in trainer_kwargs:
             trainer_kwargs["max_epochs"] = 2
     if column == "cdgrab":
