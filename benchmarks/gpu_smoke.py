@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,6 +82,7 @@ def run_cell(subject: str, precision: str, layout: str, processes: int, steps: i
         launch_error = None
     except RunFailed as exc:
         launch_error = str(exc)
+        _kill_leftover_ranks(work_dir / f"{name}.spec.json")
     cell["seconds"] = round(time.perf_counter() - start, 2)
     per_rank = []
     for rank in range(processes):
@@ -97,6 +100,26 @@ def run_cell(subject: str, precision: str, layout: str, processes: int, steps: i
     if failed_tracebacks:
         cell["traceback"] = failed_tracebacks[0]
     return cell
+
+
+def _kill_leftover_ranks(spec_path: Path) -> None:
+    """After a timeout: end the cell's worker processes, found by their spec file on the command line.
+
+    The launcher's timeout kills torchrun only; its ranks would live on (holding the GPU and the
+    cores) through the next cells.
+    """
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone, or not ours to read
+        if str(WORKER).encode() in command and str(spec_path).encode() in command:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def count_sketch_determinism() -> dict[str, Any]:
