@@ -22,7 +22,9 @@ DATA = {"batch_size": 24, "partition": "class_sorted"}
 SYNC = {"strategy": {"push_every": 3, "synchronous": True, "max_staleness": 0}, "trainer": {"max_epochs": 3}}
 # BatchNorm + Adam, asynchronous, 6 epochs: with the server adding buffer deltas, the running variance
 # went below zero (val_loss nan) at the first epoch end in every one of 5 runs; checkpoints every epoch.
-BATCHNORM = {"batchnorm": {"lr": 0.01}, "strategy": {"push_every": 20}, "trainer": {"max_epochs": 6}}
+# Rank 2 is slower, so rank 0 reaches each validation while rank 2 still has its last push to make.
+BATCHNORM = {"batchnorm": {"lr": 0.01}, "strategy": {"push_every": 20}, "trainer": {"max_epochs": 6},
+             "slow": {"rank": 2, "seconds": 0.02}}
 
 
 def _fit(tmp_path, name, nprocs=3, check_errors=True, **spec):
@@ -168,6 +170,20 @@ def test_batchnorm_running_variance_stays_positive_and_validation_finite(batchno
     parameters = ModelVector(BatchNormClassifier(64, 10)).num_parameters
     assert server["worker_buffers"].shape == (3, server["vector"].numel() - parameters)
     assert torch.equal(server["vector"][parameters:], server["worker_buffers"].mean(0))
+
+
+def test_every_epoch_checkpoint_holds_the_model_that_was_validated(batchnorm_run):
+    """Validation and the checkpoint written at the epoch's end, after it, hold the same server model: every
+    rank's pushes up to the epoch end are in both (rank 0 must not read the server while rank 2 still pushes;
+    fails without the barrier in DownpourSGDStrategy.consensus)."""
+    root, results = batchnorm_run
+    for epoch, validated in enumerate(results[0]["validated"]):
+        stored = torch.load(next((root / "ckpt").glob(f"epoch={epoch}-*.ckpt")), weights_only=False)
+        module = BatchNormClassifier(64, 10)
+        module.load_state_dict(stored["state_dict"])
+        assert torch.equal(ModelVector(module).get(), validated), epoch
+        for other in results[1:]:
+            assert torch.equal(other["validated"][epoch], validated), epoch
 
 
 def test_asynchronous_resume_restores_the_server(batchnorm_run):

@@ -50,13 +50,16 @@ class BatchNormClassifier(MLPClassifier):
 
 
 class RunningStatistics(Callback):
-    """Rank 0, at every validation (which runs on the server's model): the smallest running variance and val_loss."""
+    """At every validation (which runs on the server's model): that model, its smallest running variance, val_loss."""
 
     def __init__(self) -> None:
         self.min_running_var: list[float] = []
         self.val_loss: list[float] = []
+        self.validated: list[torch.Tensor] = []
 
     def on_validation_end(self, trainer, pl_module):
+        # Still on the evaluated model; ModelCheckpoint saves later, at the training epoch's end.
+        self.validated.append(trainer.strategy.model_vector.get().clone())
         variances = [m.running_var for m in pl_module.modules() if isinstance(m, nn.BatchNorm1d)]
         if variances:
             self.min_running_var.append(float(torch.cat(variances).min()))
@@ -141,6 +144,7 @@ def main() -> None:
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
             min_running_var=statistics.min_running_var,
             val_losses=statistics.val_loss,
+            validated=statistics.validated,
         )
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
