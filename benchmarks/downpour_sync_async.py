@@ -1,8 +1,10 @@
 """Synchronous vs asynchronous DownpourSGD with one straggler (paper 001's sync/async comparison).
 
 Same task, seed and ranks for both runs: scikit-learn digits, iid partitions, the MLP of the
-examples, plain SGD (learning rate 0.03: the server sums the updates of all ranks, so a
-synchronous round moves the model by ``ranks`` local updates at once). Rank ``ranks - 1`` sleeps ``--slow-seconds`` before every batch. Each run
+examples, plain SGD with learning rate 0.03 in both modes. The asynchronous server adds every
+update in full; a synchronous round applies the mean of the ranks' updates (paper 001's SSGD), so
+it moves the model about as far as one rank's update, from ``ranks`` times the examples. Rank
+``ranks - 1`` sleeps ``--slow-seconds`` before every batch. Each run
 records every rank's step times and, on rank 0, copies of the server's global model taken every
 0.5 s (evaluated on the validation split after fit), so accuracy is plotted against wall time.
 
@@ -11,7 +13,7 @@ model first reaches ``--target-acc``, whole fit time, final accuracy.
 
 Usage::
 
-    python benchmarks/downpour_sync_async.py            # 4 ranks, about 2 minutes
+    python benchmarks/downpour_sync_async.py            # 4 ranks, about 40 s
     python benchmarks/downpour_sync_async.py --ranks 8 --slow-seconds 0.05
 """
 
