@@ -22,10 +22,13 @@ calibrated once, at the start, from a measured 1-worker Simulation on this machi
 measured step and server update), rounded to 3 significant digits and recorded in the JSON; every
 later run uses those fixed values (``--step-seconds``/``--aggregate-seconds`` reuse earlier ones).
 
-Learning rates: the server adds every pushed update (Downpour's sum), so a synchronous round of
-``n`` workers moves the global model by ``n`` local steps and ``n`` asynchronous workers make ``n``
-updates per iteration. The 1/2/4-worker study uses ``learning_rate=0.1`` for every run (4 x 0.1 is
-still stable on this task, 1 worker at 0.4 trains too). For 8-64 asynchronous workers the rate is
+Learning rates: the asynchronous server adds every pushed update, so ``n`` asynchronous workers
+make ``n`` updates per iteration; a synchronous round applies the mean of the ``n`` updates (paper
+001's SSGD, "the parameter server obtains the gradient average"), one step of ``n`` times the
+batch. The 1/2/4-worker study uses ``learning_rate=0.1`` for every run, as the paper compares the
+modes at one setting (4 x 0.1 is still stable on this task for the asynchronous sum, 1 worker at
+0.4 trains too), so at equal iterations the synchronous runs take the baseline's step length and
+the asynchronous ones ``n`` of them. For 8-64 asynchronous workers the rate is
 ``0.1 / workers`` (one iteration of all workers then moves the model as far as one baseline step;
 this is the change of update rule the paper had to make), and the unscaled 0.1 is also run for
 ``UNSCALED_STEPS`` iterations to reproduce the paper's stall/explosion (its Fig. 14).
@@ -44,7 +47,7 @@ val_acc) and ``sim_paper001.png``.
 
 Usage::
 
-    python benchmarks/sim_paper001.py             # the full study and scale test, about 6 min on 2 shared cores
+    python benchmarks/sim_paper001.py             # the full study and scale test, 2.5-4.5 min on 2 shared cores
     python benchmarks/sim_paper001.py --quick     # smoke run: few steps, fewer runs (about 1 min)
     python benchmarks/sim_paper001.py --replot    # recompute summaries, redraw the figure and tables from the JSON
 """
