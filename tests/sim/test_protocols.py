@@ -130,6 +130,20 @@ def test_parameter_server_serves_the_mean_of_each_workers_latest_buffers():
     assert torch.equal(protocol.store.vector[n:], latest.mean(0))
 
 
+@pytest.mark.parametrize("aggregate_seconds", [0.5, None], ids=["modelled", "measured"])
+def test_an_evaluation_during_the_servers_aggregation_sees_the_model_from_before_it(aggregate_seconds):
+    """The server's node is 10^6 times slower: its first aggregation is still running when the run stops at
+    0.2 s, so the global model the final evaluation scores is still the start model (measured durations run
+    the aggregation at the start of its interval; the old code let the evaluation see its result)."""
+    slow_server = {2: 1e6 if aggregate_seconds is None else 1.0}
+    speed = SpeedModel(step_seconds=0.01, aggregate_seconds=aggregate_seconds, slowdown=slow_server)
+    sim = simulation(ParameterServer(push_every=1), workers=2, max_steps=3, speed=speed, max_virtual_seconds=0.2)
+    result = sim.run()
+    assert result.rows[-1]["time"] == pytest.approx(0.2) and result.rows[-1]["steps"] == 2
+    assert sim.protocol.store.version == (1 if aggregate_seconds is None else 0)  # the running aggregation
+    assert result.rows[-1]["val_loss"] == result.rows[0]["val_loss"]
+
+
 def test_async_parameter_server_lets_fast_workers_run_ahead_of_a_straggler():
     def finish_times(synchronous):
         speed = SpeedModel(step_seconds=0.01, aggregate_seconds=0.0, slowdown={0: 4.0})

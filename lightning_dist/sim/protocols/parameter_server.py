@@ -51,6 +51,7 @@ class ParameterServer(Protocol):
         self.rounds = simulation.max_steps // self.push_every
         self.pulled = [initial] * simulation.num_workers
         self.versions = [0] * simulation.num_workers
+        self.published = (self.store.vector.clone(), self.store.version)
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         if step % self.push_every:
@@ -75,19 +76,28 @@ class ParameterServer(Protocol):
                     updates[message.source] = message.payload
                 ordered = [(*updates[rank], rank) for rank in range(workers)]
                 yield from node.execute(self.store.push_round, ordered, kind="aggregate")
-                reply = (self.store.vector.clone(), self.store.version)
+                self.publish()
                 for rank in range(workers):
-                    node.send(rank, reply, tag="pull")
+                    node.send(rank, self.published, tag="pull")
             return
         for _ in range(self.rounds * workers):
             message = yield node.recv(tag="push")
             update, pulled_version = message.payload
             check_finite(update, message.source)
             yield from node.execute(self.store.push, update, pulled_version, message.source, kind="aggregate")
-            node.send(message.source, (self.store.vector.clone(), self.store.version), tag="pull")
+            self.publish()
+            node.send(message.source, self.published, tag="pull")
+
+    def publish(self) -> None:
+        """Make the server's model as of the end of its aggregation the one workers and evaluations see.
+
+        With a measured duration ``execute`` runs the aggregation at the start of its interval; an
+        evaluation inside that interval must still see the model from before it.
+        """
+        self.published = (self.store.vector.clone(), self.store.version)
 
     def global_model(self) -> Tensor:
-        return self.store.vector
+        return self.published[0]
 
     def metrics(self) -> dict[str, float]:
         return self.store.metrics()
