@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.averaging import accumulation_dtype
+
 
 def check_max_staleness(max_staleness: int | None) -> None:
     """Raise a ValueError naming ``max_staleness`` unless it is None or an integer >= 0."""
@@ -49,11 +51,6 @@ def check_max_staleness(max_staleness: int | None) -> None:
         isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
     ):
         raise ValueError(f"max_staleness must be None or an integer >= 0 (server versions); got {max_staleness!r}")
-
-
-def master_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the server accumulates in: float32, or float64 for a float64 model."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def push_message(local: Tensor, pulled: Tensor, num_parameters: int) -> Tensor:
@@ -64,9 +61,9 @@ def push_message(local: Tensor, pulled: Tensor, num_parameters: int) -> Tensor:
     makes it right for any optimizer); the rest are ``local``'s buffers as they are. ``pulled``
     must be the replica exactly as the worker set it from the server's reply (in the model's
     dtype), so that a worker that did not move pushes a zero update. Computed in
-    :func:`master_dtype`, where the difference of two bf16/fp16 vectors is exact.
+    :func:`~lightning_dist.algorithms.averaging.accumulation_dtype`, where the difference of two bf16/fp16 vectors is exact.
     """
-    dtype = master_dtype(local.dtype)
+    dtype = accumulation_dtype(local.dtype)
     local = local.to(dtype)
     update = local[:num_parameters] - pulled[:num_parameters].to(dtype)
     return torch.cat([update, local[num_parameters:]])
@@ -88,7 +85,7 @@ class GlobalModel:
     round's`` (synchronous). Buffers: the mean over workers of each one's latest reported buffers.
 
     Args:
-        vector: the initial global model (copied, in :func:`master_dtype`).
+        vector: the initial global model (copied, in :func:`~lightning_dist.algorithms.averaging.accumulation_dtype`).
         num_parameters: how many leading elements of ``vector`` are parameters; the rest are buffers
             (``ModelVector.num_parameters``).
         workers: number of workers that push (one buffer entry each).
@@ -101,7 +98,7 @@ class GlobalModel:
             raise ValueError(f"num_parameters must be in [0, {vector.numel()}] (the vector's length); got {num_parameters}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1; got {workers!r}")
-        self.vector = vector.detach().to(master_dtype(vector.dtype), copy=True)
+        self.vector = vector.detach().to(accumulation_dtype(vector.dtype), copy=True)
         self.num_parameters = num_parameters
         self.worker_buffers = self.vector[num_parameters:].repeat(workers, 1)
         self.max_staleness = max_staleness

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
