@@ -1,9 +1,10 @@
-"""Launch ``benchmarks/_worker.py`` on N local processes with torchrun (Gloo on CPU), one run per launch."""
+"""Launch benchmark workers under torchrun (Gloo on CPU): N local processes, or one node per namespace of a ``netns.Network``."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,4 +70,51 @@ def launch(
         # teardown problem, reported but not fatal to the measurement.
         print(f"\nwarning: {name}: torchrun exited {process.returncode} after writing its result; see {log_path}",
               file=sys.stderr)
+    return result
+
+
+def launch_on_network(network: Any, spec: dict[str, Any], work_dir: Path, timeout: float, port: int,
+                      worker: Path) -> dict[str, Any]:
+    """Run ``spec`` with ``worker``, one torchrun per node of a ``netns.Network``; return rank 0's JSON (plus ``launch_s``).
+
+    The spec gets ``out`` (the result file) and ``work_dir``; each node's output goes to ``<name>.node<i>.log``.
+    """
+    work_dir.mkdir(parents=True, exist_ok=True)
+    name = spec["name"]
+    result_path = work_dir / f"{name}.result.json"
+    result_path.unlink(missing_ok=True)
+    spec_path = work_dir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(result_path), "work_dir": str(work_dir)}, indent=1))
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    logs = [work_dir / f"{name}.node{node}.log" for node in range(network.nodes)]
+    processes = []
+    start = time.perf_counter()
+    for node, log in enumerate(logs):
+        with log.open("w") as handle:
+            argv = network.torchrun_argv(node, [str(worker), str(spec_path)], master_port=port)
+            processes.append(network.run(node, argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO))
+    deadline = start + timeout
+    codes: list[int | None] = []
+    for process in processes:
+        try:
+            codes.append(process.wait(max(deadline - time.perf_counter(), 0.1)))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    if None in codes:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)  # its own session (netns.Network.run)
+                process.wait()
+    elapsed = time.perf_counter() - start
+    if None in codes or not result_path.exists():
+        tails = "\n".join(f"--- node {node} (exit {code}), {log}:\n" + "\n".join(log.read_text().splitlines()[-25:])
+                          for node, (code, log) in enumerate(zip(codes, logs)))
+        reason = f"did not finish within {timeout:.0f} s" if None in codes else "wrote no result"
+        raise RunFailed(f"{name}: {reason}\n{tails}")
+    if any(codes):
+        print(f"\nwarning: {name}: exit codes {codes} after writing its result; see {work_dir}", file=sys.stderr)
+    result = json.loads(result_path.read_text())
+    result["launch_s"] = elapsed
     return result

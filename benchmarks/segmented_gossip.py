@@ -43,11 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402  (a sibling script, not a package)
-from _launch import BENCHMARKS, REPO, RunFailed  # noqa: E402
+from _launch import BENCHMARKS, REPO, RunFailed, launch_on_network  # noqa: E402
 
 WORKER = BENCHMARKS / "_gossip_worker.py"
 PREFIX = "segmented_gossip"
@@ -109,49 +106,6 @@ def methods(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- launching on the network
 
 
-def launch(network: netns.Network, spec: dict[str, Any], work_dir: Path, timeout: float, port: int) -> dict[str, Any]:
-    """Run ``spec`` with one torchrun per node of ``network``; return rank 0's JSON (plus ``launch_s``)."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    name = spec["name"]
-    result_path = work_dir / f"{name}.result.json"
-    result_path.unlink(missing_ok=True)
-    spec_path = work_dir / f"{name}.spec.json"
-    spec_path.write_text(json.dumps({**spec, "out": str(result_path), "work_dir": str(work_dir)}, indent=1))
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
-    logs = [work_dir / f"{name}.node{node}.log" for node in range(network.nodes)]
-    processes = []
-    start = time.perf_counter()
-    for node, log in enumerate(logs):
-        with log.open("w") as handle:
-            argv = network.torchrun_argv(node, [str(WORKER), str(spec_path)], master_port=port)
-            processes.append(network.run(node, argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO))
-    deadline = start + timeout
-    codes: list[int | None] = []
-    for process in processes:
-        try:
-            codes.append(process.wait(max(deadline - time.perf_counter(), 0.1)))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    if None in codes:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)  # its own session (netns.Network.run)
-                process.wait()
-    elapsed = time.perf_counter() - start
-    if None in codes or not result_path.exists():
-        tails = "\n".join(f"--- node {node} (exit {code}), {log}:\n" + "\n".join(log.read_text().splitlines()[-25:])
-                          for node, (code, log) in enumerate(zip(codes, logs)))
-        reason = f"did not finish within {timeout:.0f} s" if None in codes else "wrote no result"
-        raise RunFailed(f"{name}: {reason}\n{tails}")
-    if any(codes):
-        print(f"\nwarning: {name}: exit codes {codes} after writing its result; see {work_dir}", file=sys.stderr)
-    result = json.loads(result_path.read_text())
-    result["launch_s"] = elapsed
-    return result
-
-
 # ---------------------------------------------------------------- part 1: sync time vs segments
 
 
@@ -162,7 +116,7 @@ def sync_part(args: argparse.Namespace) -> dict[str, Any]:
     print(f"part 1: sync time per round, {args.sync_ranks} ranks (one namespace each), caps {caps_text(args)}, "
           f"R={args.replicas}, S in {args.segments}, {args.sync_rounds} rounds each ...", flush=True)
     with netns.Network(nodes=args.sync_ranks, node_mbit=args.node_mbit, link_mbit=args.link_mbit) as network:
-        raw = launch(network, spec, args.out / "runs", timeout=args.timeout, port=MASTER_PORT)
+        raw = launch_on_network(network, spec, args.out / "runs", timeout=args.timeout, port=MASTER_PORT, worker=WORKER)
     print(f"part 1 done in {raw['launch_s']:.0f} s", flush=True)
     return {"launch_s": raw["launch_s"], "ranks": args.sync_ranks, "summary": summarize_sync(raw["runs"]),
             "runs": raw["runs"]}
@@ -226,7 +180,7 @@ def accuracy_part(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.budget:g} s of training per method: {', '.join(r['name'] for r in runs)} ...", flush=True)
     timeout = len(runs) * (args.budget + 150) + 180
     with netns.Network(nodes=args.ranks, node_mbit=args.node_mbit, link_mbit=args.link_mbit) as network:
-        raw = launch(network, spec, args.out / "runs", timeout=timeout, port=MASTER_PORT + 1)
+        raw = launch_on_network(network, spec, args.out / "runs", timeout=timeout, port=MASTER_PORT + 1, worker=WORKER)
     print(f"part 2 done in {raw['launch_s']:.0f} s", flush=True)
     labels = {run["name"]: run["label"] for run in runs}
     for run in raw["runs"]:
