@@ -8,6 +8,8 @@ i.i.d. data and when each rank sees only a few classes, so experiments choose th
   or a few classes (the non-i.i.d. setting of the DataGossip paper).
 * ``dirichlet``: per class, proportions drawn from ``Dirichlet(alpha)`` over ranks; small ``alpha``
   gives skewed label mixes, large ``alpha`` nearly balanced ones.
+* ``contiguous``: consecutive index ranges in order, no labels needed; for data whose order carries
+  meaning, such as the windows of a text, where rank ``i`` then reads its own stretch of the text.
 
 Every function returns one ``int64`` index array per part, and every example is in exactly one part.
 All randomness comes from the ``seed`` argument, so every rank computes the same partition.
@@ -20,7 +22,7 @@ from numpy.typing import ArrayLike
 
 from lightning_dist.data._checks import check_int, check_positive_float
 
-PARTITIONS = ("iid", "class_sorted", "dirichlet")
+PARTITIONS = ("iid", "class_sorted", "dirichlet", "contiguous")
 """Names accepted by :func:`make_partition`."""
 
 _MAX_DIRICHLET_ATTEMPTS = 100
@@ -47,6 +49,16 @@ def iid_partition(num_examples: int, num_parts: int, seed: int) -> list[np.ndarr
     seed = check_int("seed", seed, 0)
     permutation = np.random.default_rng(seed).permutation(num_examples).astype(np.int64)
     return [np.sort(part) for part in np.array_split(permutation, num_parts)]
+
+
+def contiguous_partition(num_examples: int, num_parts: int) -> list[np.ndarray]:
+    """Cut ``range(num_examples)`` in order into ``num_parts`` consecutive ranges whose sizes differ by at most 1.
+
+    The first ``num_examples % num_parts`` parts hold one index more.
+    """
+    num_examples = check_int("num_examples", num_examples, 1)
+    num_parts = check_int("num_parts", num_parts, 1, num_examples)
+    return np.array_split(np.arange(num_examples, dtype=np.int64), num_parts)
 
 
 def class_sorted_partition(labels: ArrayLike, num_parts: int) -> list[np.ndarray]:
@@ -99,7 +111,8 @@ def make_partition(
 ) -> list[np.ndarray]:
     """Partition the indices of ``labels`` by the scheme ``name`` (one of :data:`PARTITIONS`).
 
-    ``seed`` is ignored by ``class_sorted`` and ``alpha`` is used only by ``dirichlet``.
+    ``seed`` is ignored by ``class_sorted`` and ``contiguous``, ``alpha`` is used only by ``dirichlet``,
+    and ``contiguous`` reads only the number of labels, not their values.
     """
     if name == "iid":
         return iid_partition(len(_check_labels(labels)), num_parts, seed)
@@ -107,4 +120,6 @@ def make_partition(
         return class_sorted_partition(labels, num_parts)
     if name == "dirichlet":
         return dirichlet_partition(labels, num_parts, alpha, seed)
+    if name == "contiguous":
+        return contiguous_partition(len(_check_labels(labels)), num_parts)
     raise ValueError(f"name must be one of {PARTITIONS}; got {name!r}")
