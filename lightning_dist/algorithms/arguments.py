@@ -6,7 +6,14 @@ value fails the same way whether it reaches a Trainer or a simulation.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+from collections.abc import Mapping
+
+from torch.optim import Optimizer
+
+from lightning_dist.algorithms.outer import OuterOptimizerFactory
 
 
 def check_count(name: str, value: object, minimum: int, maximum: int | None = None, meaning: str = "") -> int:
@@ -44,4 +51,49 @@ def check_client_fraction(value: object) -> float:
 def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
+def check_outer_optimizer(value: object, client_fraction: float = 1.0) -> OuterOptimizerFactory | None:
+    """DiLoCo's ``outer_optimizer`` (:mod:`lightning_dist.algorithms.outer`): None, a callable that
+    builds a ``torch.optim.Optimizer`` from a list of tensors, or ``{"class_path": ..., "init_args": {...}}``
+    naming an Optimizer class (the form a LightningCLI YAML uses; the simulator's config passes it as
+    a plain mapping). Returns the factory, or None.
+
+    Refused with ``client_fraction < 1`` (FedAvg): the outer gradient ``reference - mean`` assumes every
+    averaged replica started the round from the reference model, and FedAvg's non-participants keep
+    training their own models, so a round's participants did not (their earlier local progress would
+    be counted again as this round's update).
+    """
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"class_path", "init_args"}
+        class_path, init_args = value.get("class_path"), value.get("init_args", {})
+        if unknown or not isinstance(class_path, str) or "." not in class_path or not isinstance(init_args, Mapping):
+            raise ValueError(
+                "outer_optimizer as a mapping must be {'class_path': 'module.OptimizerClass', 'init_args': {...}}; "
+                f"got {dict(value)!r}"
+            )
+        module_name, _, class_name = class_path.rpartition(".")
+        try:
+            optimizer_class = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"outer_optimizer's class_path {class_path!r} cannot be imported: {error}") from error
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise ValueError(
+                f"outer_optimizer's class_path must name a torch.optim.Optimizer subclass; got {class_path!r}"
+            )
+        value = functools.partial(optimizer_class, **init_args)
+    if not callable(value):
+        raise ValueError(
+            "outer_optimizer must be None, a callable building a torch.optim.Optimizer from a list of tensors, or "
+            f"{{'class_path': ..., 'init_args': ...}}; got {value!r}"
+        )
+    if client_fraction < 1:
+        raise ValueError(
+            f"outer_optimizer needs client_fraction=1 (got {client_fraction}): DiLoCo's outer gradient, the "
+            "reference model minus the average, assumes every averaged replica started the round from the "
+            "reference, and FedAvg's non-participants keep training their own models"
+        )
     return value
