@@ -40,3 +40,39 @@ def test_config_runs(tmp_path, config, max_steps):
         exchanges = [float(row["gossip/exchanges"]) for row in rows if row.get("gossip/exchanges")]
         foreign = [float(row["gossip/foreign_batches"]) for row in rows if row.get("gossip/foreign_batches")]
         assert exchanges and max(exchanges) >= 1 and max(foreign) >= 1
+
+
+DILOCO_YAML = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy:
+    class_path: lightning_dist.{strategy}
+    init_args:
+      outer_optimizer: {outer}
+model:
+  class_path: lightning_dist.models.MLPClassifier
+data:
+  class_path: lightning_dist.data.datamodules.DigitsDataModule
+"""
+
+
+@pytest.mark.parametrize("strategy", ["PeriodicAveragingStrategy"])
+@pytest.mark.parametrize("outer", [
+    "{class_path: torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}",
+    "lightning_dist.algorithms.outer.diloco_outer_optimizer",
+])
+def test_outer_optimizer_parses_inside_the_strategy_from_yaml(tmp_path, strategy, outer):
+    """DiLoCo's outer optimizer written in a LightningCLI YAML (class_path/init_args, as for Lightning's
+    OptimizerCallable, or a function's import path) reaches the strategy as a factory of SGD(0.7, Nesterov 0.9)."""
+    import torch
+
+    from lightning_dist.cli import DistCLI
+
+    config = tmp_path / "diloco.yaml"
+    config.write_text(DILOCO_YAML.format(strategy=strategy, outer=outer))
+    cli = DistCLI(subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(config)], run=False)
+    assert type(cli.trainer.strategy).__name__ == strategy
+    optimizer = cli.trainer.strategy.outer_optimizer([torch.zeros(3)])
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert (optimizer.defaults["lr"], optimizer.defaults["momentum"], optimizer.defaults["nesterov"]) == (0.7, 0.9, True)

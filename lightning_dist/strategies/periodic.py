@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
-from lightning_dist.algorithms.arguments import check_client_fraction, check_steps
+from torch import Tensor
+
+from lightning_dist.algorithms.arguments import check_client_fraction, check_outer_optimizer, check_steps
 from lightning_dist.algorithms.averaging import sample_participants
+from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
+from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -18,22 +23,56 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
     the lowest-ranked participant, which sends their mean back to them. The others keep training
     their own models.
 
+    DiLoCo (Douillard et al. 2023): with an ``outer_optimizer``, the mean is not handed out as it is.
+    Every rank keeps the reference model ``theta`` all replicas started the round from; at the end of
+    the round ``Delta = theta - mean`` is the outer gradient, ``theta <- OuterOpt(theta, Delta)``
+    (:class:`~lightning_dist.algorithms.outer.OuterStep`) and every replica continues from the new
+    ``theta``. The exchange is the same all-reduce; each rank steps its own copy of the outer
+    optimizer with the same mean, so the copies stay identical without further bytes. Between
+    averagings, validation and a checkpoint see the plain mean of the replicas, as without the
+    option: it is the inner optimizers' joint progress since ``theta``, and an outer step there
+    would either change the training run (momentum committed for part of a round) or score a
+    model training never continues from. At the end of every round, and so after a ``fit`` that
+    ends on one, every rank holds the outer step's result (choose ``max_steps`` and the validation
+    interval as multiples of ``period`` to score exactly those).
+
     Args:
         period: optimizer steps between averagings (``b`` in paper 004). Default 10, the
             period of paper 004's MNIST comparison.
         client_fraction: fraction ``C`` of ranks taking part in each averaging, in (0, 1].
         seed: seeds the choice of participants (the same on every rank).
+        outer_optimizer: None (default) for plain averaging; otherwise builds DiLoCo's outer
+            optimizer from a list of tensors, like Lightning's ``OptimizerCallable``: in Python
+            :func:`~lightning_dist.algorithms.outer.diloco_outer_optimizer` or
+            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``; in a
+            LightningCLI YAML ``{class_path: torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9,
+            nesterov: true}}``. Needs ``client_fraction=1``: the outer gradient assumes every averaged
+            replica started the round from the reference, which FedAvg's non-participants, training
+            on from their own models, did not (refused with a ValueError).
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
     """
 
     strategy_name = "periodic_avg"
 
-    def __init__(self, period: int = 10, client_fraction: float = 1.0, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        period: int = 10,
+        client_fraction: float = 1.0,
+        seed: int = 0,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        **kwargs: Any,
+    ) -> None:
         period = check_steps("period", period, "optimizer steps between averagings")
         client_fraction = check_client_fraction(client_fraction)
+        outer_optimizer = check_outer_optimizer(outer_optimizer, client_fraction)
         super().__init__(seed=seed, **kwargs)
         self.period = period
         self.client_fraction = client_fraction
+        self.outer_optimizer = outer_optimizer
+        self._outer: OuterStep | None = None
+
+    def on_replicas_initialized(self, vector: Tensor) -> None:
+        self._outer = build_outer_step(self.outer_optimizer, self.model_vector.parameters_of(vector))
 
     def after_local_step(self, step: int) -> None:
         if step % self.period != 0:
@@ -41,7 +80,8 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         world_size = self.comm.world_size
         participants = sample_participants(world_size, self.client_fraction, self._generator)
         if len(participants) == world_size:
-            self.model_vector.set(self.average_all("protocol"))
+            mean = self.average_all("protocol")
+            self.model_vector.set(mean if self._outer is None else self._outer.step(mean))
             self._replicas_in_sync = True
         else:
             self.raise_if_non_finite(self.model_vector.get())
@@ -49,3 +89,12 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             if mean is not None:
                 self.model_vector.set(mean)
         self._syncs += 1
+
+    def protocol_state_dict(self) -> dict[str, Any]:
+        return outer_state(self._outer)
+
+    def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
+        load_outer_state(self._outer, state, type(self).__name__)
+
+    def protocol_metrics(self) -> dict[str, float]:
+        return {} if self._outer is None else self._outer.metrics()
