@@ -17,6 +17,7 @@ from lightning_dist.sim.engine import Message, Node, Simulator, SpeedModel, payl
 from lightning_dist.sim.network import NetworkModel
 from lightning_dist.sim.protocols import (
     PROTOCOLS,
+    DataParallel,
     DynamicAveraging,
     ParameterServer,
     PeriodicAveraging,
@@ -29,6 +30,7 @@ from lightning_dist.sim.simulation import Simulation, SimulationResult
 
 __all__ = [
     "PROTOCOLS",
+    "DataParallel",
     "DynamicAveraging",
     "Message",
     "NetworkModel",

@@ -11,6 +11,7 @@ A node's process is a generator; it waits with ``yield``::
         loss = yield from node.execute(replica.step)       # real compute; advances virtual time
         node.send(peer, tensor, tag="model")                # returns at once; the network moves it
         message = yield node.recv(source=peer, tag="model")
+        mean = yield from node.all_reduce(key, members, tensor, combine)   # a collective among worker nodes
         yield node.sleep(0.5)
 
 ``execute`` runs the function for real and occupies the node for its duration in virtual time:
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Generator, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
@@ -31,6 +32,7 @@ import numpy as np
 import simpy
 from torch import Tensor
 
+from lightning_dist.sim.collectives import Collectives
 from lightning_dist.sim.network import Network, NetworkModel
 
 T = TypeVar("T")
@@ -175,6 +177,33 @@ class Node:
         self.compute_seconds += seconds
         return result
 
+    def all_reduce(
+        self,
+        key: Hashable,
+        members: Sequence[int],
+        payload: Any,
+        combine: Callable[[list[Any]], T],
+        nbytes: Optional[int] = None,
+    ) -> Generator[simpy.Event, Any, T]:
+        """Join the ring all-reduce ``key`` among ``members`` (node indices, every one must join with the same
+        key, members and size); returns ``combine(payloads in member order)`` once the ring would have ended.
+
+        Use as ``mean = yield from node.all_reduce(key, members, vector, combine)``. ``nbytes`` is the
+        size of the tensor the ring reduces (default: ``payload``'s). Timing and byte counts:
+        :mod:`lightning_dist.sim.collectives`.
+        """
+        size = payload_bytes(payload) if nbytes is None else nbytes
+        collectives = self.simulator.collectives
+        return (yield from collectives.join("all_reduce", key, self.index, members, payload, size, combine))
+
+    def all_gather(
+        self, key: Hashable, members: Sequence[int], payload: Any, nbytes: Optional[int] = None
+    ) -> Generator[simpy.Event, Any, list[Any]]:
+        """Join the ring all-gather ``key`` among ``members``; returns every member's payload in member order."""
+        size = payload_bytes(payload) if nbytes is None else nbytes
+        collectives = self.simulator.collectives
+        return (yield from collectives.join("all_gather", key, self.index, members, payload, size, list))
+
     def sleep(self, seconds: float) -> simpy.Event:
         if not seconds >= 0:
             raise ValueError(f"seconds must be >= 0; got {seconds!r}")
@@ -201,6 +230,7 @@ class Simulator:
         self.nodes: list[Node] = []
         self._programs: list[tuple[Node, Callable[[Node], Generator]]] = []
         self.network: Optional[Network] = None
+        self.collectives: Optional[Collectives] = None
 
     def add_node(self, name: str, program: Callable[[Node], Generator]) -> Node:
         """Add a node that runs ``program(node)`` (a generator function) when the simulation starts."""
@@ -213,6 +243,7 @@ class Simulator:
 
     def start(self) -> None:
         self.network = Network(self.env, self.network_model, len(self.nodes))
+        self.collectives = Collectives(self.env, self.network_model, self.network)
         for node, program in self._programs:
             self.env.process(program(node))
 

@@ -136,6 +136,12 @@ class Network:
     def total_bytes(self) -> int:
         return sum(self.bytes_sent)
 
+    def count(self, node: int, nbytes: int, messages: int) -> None:
+        """Count bytes and messages that ``node`` sends in a collective (:mod:`lightning_dist.sim.collectives`),
+        whose transfers are timed as a whole rather than posted one by one."""
+        self.bytes_sent[node] += nbytes
+        self.messages_sent[node] += messages
+
     def post(self, source: int, target: int, nbytes: int, deliver: Callable[[], Any]) -> simpy.Event:
         """Queue a transfer; ``deliver`` runs at arrival, when the returned event also fires."""
         if source == target:

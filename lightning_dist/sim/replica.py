@@ -79,6 +79,9 @@ class Replica:
         self.module.log = _LogRecorder()  # training_step's self.log calls are not needed here
         self.optimizer = _first_optimizer(self.module.configure_optimizers())
         self.vector = ModelVector(self.module)
+        # What DDP all-reduces: the gradients of the parameters that require them.
+        self._trainable = [parameter for parameter in self.vector.parameters if parameter.requires_grad]
+        self._trainable_sizes = [parameter.numel() for parameter in self._trainable]
         self.loader = loader
         self.epoch = 0
         self.steps = 0
@@ -104,13 +107,36 @@ class Replica:
 
     def step(self, batch: Any) -> float:
         """One optimizer step on ``batch``; returns the training loss."""
+        loss = self.compute_gradient(batch)
+        self.apply_gradient()
+        return loss
+
+    def compute_gradient(self, batch: Any) -> float:
+        """The first half of :meth:`step`: forward and backward on ``batch`` into the parameters' ``.grad``;
+        returns the training loss."""
         self.optimizer.zero_grad(set_to_none=True)
         output = self.module.training_step(batch, self.steps)
         loss = output["loss"] if isinstance(output, dict) else output
         loss.backward()
+        return float(loss.detach())
+
+    def apply_gradient(self, gradient: Optional[Tensor] = None) -> None:
+        """The second half of :meth:`step`: the optimizer's step with the gradient in ``.grad``, or with
+        ``gradient`` (a flat vector laid out as :meth:`gradient` returns it) put there first."""
+        if gradient is not None:
+            with torch.no_grad():
+                for parameter, chunk in zip(self._trainable, gradient.split(self._trainable_sizes)):
+                    parameter.grad = chunk.view_as(parameter).clone()
         self.optimizer.step()
         self.steps += 1
-        return float(loss.detach())
+
+    def gradient(self) -> Tensor:
+        """The trainable parameters' ``.grad`` as one flat vector in :class:`ModelVector`'s parameter order;
+        zeros for a parameter the backward did not reach (what DDP all-reduces for it)."""
+        return torch.cat([
+            (parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)).reshape(-1)
+            for parameter in self._trainable
+        ])
 
     def get(self) -> Tensor:
         return self.vector.get()

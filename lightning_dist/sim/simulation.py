@@ -131,6 +131,13 @@ class Simulation:
         before = self._in_flight[rank]
         return before if before is not None else self.replicas[rank].get()
 
+    def record_wait(self, rank: int, step: int, start: float) -> None:
+        """Record that worker ``rank`` waited for the protocol at step ``step`` from virtual time ``start``
+        until now (nothing if no time passed)."""
+        now = self.simulator.env.now
+        if now > start:
+            self.result.waits.append({"worker": rank, "step": step, "start": start, "seconds": now - start})
+
     # ------------------------------------------------------------------ the run
 
     def run(self) -> SimulationResult:
@@ -186,7 +193,7 @@ class Simulation:
             batch = replica.next_batch()
             if not self.speed.modelled("step"):
                 self._in_flight[rank] = replica.get()  # see worker_model
-            loss = yield from node.execute(replica.step, batch)
+            loss = yield from self.protocol.train_step(node, rank, batch)
             self._in_flight[rank] = None
             self._losses[rank].append(loss)
             self._total_steps += 1
@@ -194,9 +201,7 @@ class Simulation:
                 self._evaluate()
             started = node.now
             yield from self.protocol.after_step(node, rank, step)
-            if node.now > started:
-                wait = {"worker": rank, "step": step, "start": started, "seconds": node.now - started}
-                self.result.waits.append(wait)
+            self.record_wait(rank, step, started)
         yield from self.protocol.finish(node, rank)
 
     def _evaluate(self) -> None:

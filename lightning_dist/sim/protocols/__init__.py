@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_dist.sim.protocols.base import Protocol
+from lightning_dist.sim.protocols.ddp import DataParallel
 from lightning_dist.sim.protocols.dynamic import DynamicAveraging
 from lightning_dist.sim.protocols.parameter_server import ParameterServer
 from lightning_dist.sim.protocols.periodic import PeriodicAveraging
 from lightning_dist.sim.protocols.segmented_gossip import SegmentedGossip
 
 PROTOCOLS: dict[str, type[Protocol]] = {
+    "ddp": DataParallel,
     "parameter_server": ParameterServer,
     "periodic": PeriodicAveraging,
     "fedavg": PeriodicAveraging,
@@ -27,5 +29,5 @@ def make_protocol(name: str, **arguments: Any) -> Protocol:
     return PROTOCOLS[name](**arguments)
 
 
-__all__ = ["PROTOCOLS", "DynamicAveraging", "ParameterServer", "PeriodicAveraging", "Protocol", "SegmentedGossip",
+__all__ = ["PROTOCOLS", "DataParallel", "DynamicAveraging", "ParameterServer", "PeriodicAveraging", "Protocol", "SegmentedGossip",
            "make_protocol"]

@@ -34,6 +34,15 @@ class Protocol(ABC):
     def validate(self, num_workers: int, max_steps: int) -> None:
         """Raise a ValueError naming the parameter when this protocol cannot run on ``num_workers``."""
 
+    def train_step(self, node: Node, rank: int, batch: Any) -> Program:
+        """Worker ``rank``'s training step on ``batch``, as ``yield from``; returns the training loss.
+
+        One optimizer step of the worker's own replica, its compute timed by ``execute``. A protocol
+        that exchanges gradients rather than models (DDP) overrides it and records its waiting with
+        :meth:`Simulation.record_wait`.
+        """
+        return (yield from node.execute(self.simulation.replicas[rank].step, batch))
+
     @abstractmethod
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         """Runs on worker ``rank`` after its optimizer step number ``step`` (from 1); may communicate."""

@@ -1,0 +1,68 @@
+"""Data-parallel training as Lightning's DDP runs it (``Trainer(strategy="ddp")``): a gradient all-reduce every step.
+
+What the real run does: ``DistributedDataParallel`` all-reduces the gradients during backward
+(on CPU a Gloo ring all-reduce, :mod:`lightning_dist.sim.collectives`), bucket by bucket (the
+first bucket 1 MiB, the others up to 25 MiB), each as soon as its gradients are ready, so
+communication overlaps the rest of backward. Every rank divides by the number of ranks and
+applies the mean gradient with its own optimizer; the replicas stay identical.
+
+Here every step each worker computes its gradient on its own batch (``execute``, the step's whole
+modelled time: forward, backward and the optimizer's update), then all workers all-reduce it (one
+ring all-reduce of the trainable parameters' gradients, ``M`` bytes in their dtype:
+``2 (N - 1) / N * M`` bytes sent per worker), then each applies the mean with its own optimizer.
+The all-reduce starts when the whole backward has ended: **no overlap**, an upper bound on DDP's
+step time (overlap can hide at most the backward's share of the step's compute behind the
+all-reduce). The gradient moves as one all-reduce: DDP's buckets add ``2 (N - 1)`` latencies per
+extra bucket and move the same bytes. With measured durations the optimizer's update runs after
+the all-reduce without virtual time (it is a small part of a step).
+
+DDP also broadcasts rank 0's buffers before every forward (``broadcast_buffers``); a module with
+floating-point buffers (BatchNorm) is refused rather than simulated without that broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.sim.engine import Node
+from lightning_dist.sim.protocols.base import Program, Protocol
+from lightning_dist.sim.replica import NonFiniteModelError
+
+
+class DataParallel(Protocol):
+    """No arguments: every worker takes part in every step's gradient all-reduce."""
+
+    name = "ddp"
+
+    def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
+        super().setup(simulation)
+        vector = simulation.replicas[0].vector
+        if vector.get().numel() != vector.num_parameters:
+            raise ValueError(
+                "the ddp protocol needs a module without floating-point buffers (e.g. BatchNorm's running "
+                "statistics): DDP broadcasts rank 0's buffers before every forward, which it does not simulate"
+            )
+        self.members = list(range(simulation.num_workers))
+
+    def train_step(self, node: Node, rank: int, batch: Any) -> Program:
+        replica = self.simulation.replicas[rank]
+        loss = yield from node.execute(replica.compute_gradient, batch)
+        started = node.now
+        gradient = replica.gradient()
+        mean = yield from node.all_reduce(("gradient", replica.steps), self.members, gradient, self._mean)
+        replica.apply_gradient(mean)
+        self.simulation.record_wait(rank, replica.steps, started)
+        return loss
+
+    def _mean(self, gradients: list[Tensor]) -> Tensor:
+        for rank, gradient in enumerate(gradients):
+            if not bool(torch.isfinite(gradient).all()):
+                raise NonFiniteModelError(f"worker {rank} has a non-finite gradient; refusing to all-reduce it")
+        return weighted_average(gradients)
+
+    def after_step(self, node: Node, rank: int, step: int) -> Program:
+        yield from ()
