@@ -6,6 +6,7 @@ import pytest
 from lightning_dist.data.partition import (
     PARTITIONS,
     class_sorted_partition,
+    contiguous_partition,
     dirichlet_partition,
     iid_partition,
     make_partition,
@@ -54,6 +55,17 @@ def test_class_sorted_shards_are_contiguous_and_equal():
     assert max(len(p) for p in class_sorted_partition(LABELS[:999], 4)) - 249 <= 1
 
 
+def test_contiguous_shards_are_ranges_in_order_and_ignore_label_values():
+    parts = contiguous_partition(1003, 4)
+    assert [len(p) for p in parts] == [251, 251, 251, 250]
+    assert np.array_equal(np.concatenate(parts), np.arange(1003))
+    assert all(p.dtype == np.int64 for p in parts)
+    # make_partition reads only how many labels there are, so any integer labels give the same shards.
+    for labels in (LABELS, np.zeros(1000, dtype=np.int64), np.arange(1000)):
+        assert all(np.array_equal(a, b) for a, b in zip(make_partition("contiguous", labels, 3, seed=5),
+                                                       contiguous_partition(1000, 3)))
+
+
 def test_dirichlet_skew_follows_alpha():
     skewed = np.mean([mean_label_entropy(dirichlet_partition(LABELS, 8, 0.05, s)) for s in range(3)])
     balanced = np.mean([mean_label_entropy(dirichlet_partition(LABELS, 8, 1000.0, s)) for s in range(3)])
@@ -96,6 +108,8 @@ def test_dirichlet_gives_up_with_a_clear_error():
         (lambda: dirichlet_partition(LABELS, 2, float("nan"), 0), "alpha"),
         (lambda: dirichlet_partition(LABELS, 2, float("inf"), 0), "alpha"),
         (lambda: dirichlet_partition(LABELS, True, 1.0, 0), "num_parts"),
+        (lambda: contiguous_partition(10, 11), "num_parts"),
+        (lambda: contiguous_partition(0, 1), "num_examples"),
         (lambda: make_partition("shards", LABELS, 2), "iid"),
     ],
 )
