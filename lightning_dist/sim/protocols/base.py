@@ -15,6 +15,17 @@ if TYPE_CHECKING:
 
 Program = Generator[simpy.Event, Any, Any]
 
+TOPOLOGIES = ("server", "strategy")
+"""Where a protocol's averaging runs: ``"server"`` on a server or coordinator node ``N`` (the papers'
+setting); ``"strategy"`` among the workers as the lightning_dist strategy moves it (ring all-reduces,
+stars through the lowest participant, all-gathered flags)."""
+
+
+def check_topology(value: object) -> str:
+    if value not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {list(TOPOLOGIES)}; got {value!r}")
+    return value  # type: ignore[return-value]
+
 
 class Protocol(ABC):
     """A communication protocol run by the virtual workers (and by ``num_servers`` extra nodes).

@@ -2,21 +2,32 @@
 
 Every ``period`` steps the participants of the round (all workers, or FedAvg's seeded
 ``max(round(C * m), 1)`` drawn by :func:`~lightning_dist.algorithms.averaging.sample_participants`)
-send their models to an aggregation server (node ``N``, paper 002's FedAvg setting), which sends
-back their mean (:func:`~lightning_dist.algorithms.averaging.weighted_average`). The others keep
-training. :class:`~lightning_dist.strategies.PeriodicAveragingStrategy` computes the same mean with
-an all-reduce (or, for ``C < 1``, a star through the lowest participant): only the topology differs.
+replace their models by their mean (:func:`~lightning_dist.algorithms.averaging.weighted_average`);
+the others keep training. ``topology`` says which messages carry it:
+
+- ``"server"`` (default): the participants send their models to an aggregation server (node
+  ``N``, paper 002's FedAvg setting), which sends back the mean after one aggregation.
+- ``"strategy"``: what :class:`~lightning_dist.strategies.PeriodicAveragingStrategy` moves. With
+  every worker taking part, one ring all-reduce of the models summed in
+  :func:`~lightning_dist.algorithms.averaging.accumulation_dtype` (float32 for a bf16 model: twice
+  its bytes), :mod:`lightning_dist.sim.collectives`; no server node. With ``C < 1``, every worker
+  first all-gathers a 1-byte finiteness flag (a meeting of all workers each round), then the
+  participants send their models to the lowest participant, which aggregates and sends the mean
+  to the others.
+
+Both give the same models; only the time and the bytes of a round differ.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_client_fraction, check_steps
-from lightning_dist.algorithms.averaging import sample_participants, weighted_average
+from lightning_dist.algorithms.averaging import accumulation_dtype, sample_participants, weighted_average
 from lightning_dist.sim.engine import Node
-from lightning_dist.sim.protocols.base import Program, Protocol
-from lightning_dist.sim.replica import check_finite
+from lightning_dist.sim.protocols.base import Program, Protocol, check_topology
+from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 
 class PeriodicAveraging(Protocol):
@@ -24,16 +35,19 @@ class PeriodicAveraging(Protocol):
     period: local steps between averagings (``b`` in paper 004); default 10; ``>= 1``.
     client_fraction: FedAvg's ``C`` in (0, 1]; 1 is periodic averaging.
     seed: seeds the choice of participants.
+    topology: ``"server"`` (an aggregation server, paper 002) or ``"strategy"`` (the strategy's
+        all-reduce, or its star through the lowest participant for ``C < 1``).
     """
 
     name = "periodic"
-    num_servers = 1
-    arguments = ("period", "client_fraction", "seed")
+    arguments = ("period", "client_fraction", "seed", "topology")
 
-    def __init__(self, period: int = 10, client_fraction: float = 1.0, seed: int = 0) -> None:
+    def __init__(self, period: int = 10, client_fraction: float = 1.0, seed: int = 0, topology: str = "server") -> None:
         self.period = check_steps("period", period, "local steps between averagings")
         self.client_fraction = check_client_fraction(client_fraction)
         self.seed = seed
+        self.topology = check_topology(topology)
+        self.num_servers = 1 if self.topology == "server" else 0
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -53,12 +67,51 @@ class PeriodicAveraging(Protocol):
         if step % self.period:
             return
         round_index = step // self.period
+        if self.topology == "server":
+            mean = yield from self._through_server(node, rank, round_index)
+        else:
+            mean = yield from self._as_strategy(node, rank, round_index)
+        if mean is not None:
+            self.simulation.replicas[rank].set(mean)
+
+    def _through_server(self, node: Node, rank: int, round_index: int) -> Program:
+        """A participant's model to the server and the mean back; None for the others."""
         if rank not in self.participants(round_index):
-            return
-        replica = self.simulation.replicas[rank]
-        node.send(self.simulation.server, replica.get(), tag=("model", round_index))
+            return None
+        node.send(self.simulation.server, self.simulation.replicas[rank].get(), tag=("model", round_index))
         message = yield node.recv(source=self.simulation.server, tag=("mean", round_index))
-        replica.set(message.payload)
+        return message.payload
+
+    def _as_strategy(self, node: Node, rank: int, round_index: int) -> Program:
+        """The strategy's round: all-reduce of every model, or the finiteness all-gather then a star through the
+        lowest participant; returns the mean on participants, None elsewhere."""
+        participants = self.participants(round_index)
+        workers = list(range(self.simulation.num_workers))
+        local = self.simulation.replicas[rank].get()
+        if len(participants) == len(workers):
+            nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
+            return (yield from node.all_reduce(("average", round_index), workers, local, _checked_mean, nbytes=nbytes))
+        flags = yield from node.all_gather(("finite", round_index), workers, bool(torch.isfinite(local).all()), nbytes=1)
+        if not all(flags):
+            raise NonFiniteModelError(
+                f"workers {[worker for worker, finite in enumerate(flags) if not finite]} have non-finite models; "
+                "refusing to average them"
+            )
+        if rank not in participants:
+            return None
+        coordinator = participants[0]
+        if rank != coordinator:
+            node.send(coordinator, local, tag=("model", round_index))
+            message = yield node.recv(source=coordinator, tag=("mean", round_index))
+            return message.payload
+        models = {rank: local}
+        for _ in participants[1:]:
+            message = yield node.recv(tag=("model", round_index))
+            models[message.source] = message.payload
+        mean = yield from node.execute(weighted_average, [models[member] for member in participants], kind="aggregate")
+        for member in participants[1:]:
+            node.send(member, mean, tag=("mean", round_index))
+        return mean
 
     def server(self, node: Node) -> Program:
         for round_index in range(1, self.rounds + 1):
@@ -71,3 +124,10 @@ class PeriodicAveraging(Protocol):
             mean = yield from node.execute(weighted_average, [models[rank] for rank in participants], kind="aggregate")
             for rank in participants:
                 node.send(rank, mean, tag=("mean", round_index))
+
+
+def _checked_mean(models: list[Tensor]) -> Tensor:
+    """The mean of the workers' models (in worker order), refusing a non-finite one by its worker."""
+    for worker, model in enumerate(models):
+        check_finite(model, worker)
+    return weighted_average(models)
