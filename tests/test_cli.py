@@ -57,7 +57,7 @@ data:
 """
 
 
-@pytest.mark.parametrize("strategy", ["PeriodicAveragingStrategy"])
+@pytest.mark.parametrize("strategy", ["PeriodicAveragingStrategy", "DynamicAveragingStrategy"])
 @pytest.mark.parametrize("outer", [
     "{class_path: torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}",
     "lightning_dist.algorithms.outer.diloco_outer_optimizer",

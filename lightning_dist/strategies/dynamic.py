@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_divergence_threshold, check_steps
+from lightning_dist.algorithms.arguments import check_divergence_threshold, check_outer_optimizer, check_steps
 from lightning_dist.algorithms.averaging import local_condition_holds, plan_balancing, squared_distance_sum
+from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
+from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -32,24 +34,46 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     local, as in the authors' platform. ``divergence_threshold`` is absolute (squared L2 over all
     flattened parameters); the authors' MNIST scripts used 0.1 to 1.0 for small CNNs.
 
+    DiLoCo's outer step at full synchronizations (our extension, with ``outer_optimizer``): the
+    reference model ``r`` is the model every replica held after the last full synchronization, and
+    balancing never changes the mean of all replicas, so ``Delta = r - mean`` is the replicas' joint
+    progress since then, DiLoCo's outer gradient (Douillard et al. 2023, Algorithm 1) with ``r`` as
+    its anchor. A full synchronization then sets ``r`` and every replica to
+    ``OuterOpt(r, Delta)`` (:class:`~lightning_dist.algorithms.outer.OuterStep`, stepped on every
+    rank with the same mean) instead of the mean; partial synchronizations (balancing) stay plain
+    means of their members. Validation and checkpoints between full synchronizations see the plain
+    mean, as without the option.
+
     Args:
         divergence_threshold: ``Delta > 0``. Default 0.7, a setting of paper 004's MNIST study.
         check_every: ``b >= 1``, optimizer steps between local-condition checks. Default 10
             (paper 004's MNIST study).
         seed: seeds the random augmentation of the balancing set (the same on every rank).
+        outer_optimizer: None (default): a full synchronization hands out the mean. Otherwise the
+            outer optimizer applied there, built from a list of tensors, as in
+            :class:`~lightning_dist.strategies.PeriodicAveragingStrategy` (e.g. ``{class_path:
+            torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}`` in a YAML).
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
     """
 
     strategy_name = "dynamic_avg"
 
     def __init__(
-        self, divergence_threshold: float = 0.7, check_every: int = 10, seed: int = 0, **kwargs: Any
+        self,
+        divergence_threshold: float = 0.7,
+        check_every: int = 10,
+        seed: int = 0,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        **kwargs: Any,
     ) -> None:
         divergence_threshold = check_divergence_threshold(divergence_threshold)
         check_every = check_steps("check_every", check_every, "optimizer steps between checks")
+        outer_optimizer = check_outer_optimizer(outer_optimizer)
         super().__init__(seed=seed, **kwargs)
         self.divergence_threshold = divergence_threshold
         self.check_every = check_every
+        self.outer_optimizer = outer_optimizer
+        self._outer: OuterStep | None = None
         self._reference: Tensor | None = None
         self._violation_counter = 0
         self._checks = 0
@@ -59,6 +83,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
 
     def on_replicas_initialized(self, vector: Tensor) -> None:
         self._reference = self.model_vector.parameters_of(vector).clone()
+        self._outer = build_outer_step(self.outer_optimizer, self._reference)
 
     @property
     def reference(self) -> Tensor:
@@ -115,6 +140,8 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             mean = self.average_all("protocol")
         else:
             mean = self.star_average(balancing_set, coordinator, "protocol", accumulator, summed)
+        if full_sync and self._outer is not None:
+            mean = self._outer.step(mean)
         if mean is not None:
             self.model_vector.set(mean)
         if full_sync:
@@ -133,6 +160,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             "violations": self._violations,
             "full_syncs": self._full_syncs,
             "partial_syncs": self._partial_syncs,
+            **outer_state(self._outer),
         }
 
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -142,6 +170,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         self._violations = state["violations"]
         self._full_syncs = state["full_syncs"]
         self._partial_syncs = state["partial_syncs"]
+        load_outer_state(self._outer, state, type(self).__name__)
 
     def protocol_metrics(self) -> dict[str, float]:
         return {
@@ -149,4 +178,5 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             "dynamic/violations": float(self._violations),
             "dynamic/full_syncs": float(self._full_syncs),
             "dynamic/partial_syncs": float(self._partial_syncs),
+            **({} if self._outer is None else self._outer.metrics()),
         }

@@ -20,6 +20,9 @@ CASES = [
     {"name": "resumed", **DILOCO, "resume": "ckpt/epoch=1-*.ckpt"},
     {"name": "resumed_without_outer", "strategy": "periodic", "kwargs": {"period": PERIOD},
      "trainer": {"max_epochs": 4}, "resume": "ckpt/epoch=1-*.ckpt"},
+    # Delta 0.5 every 4 steps over 2 epochs: checks without violations, a partial sync and 2 full syncs.
+    {"name": "dynamic", "strategy": "dynamic", "trainer": {"max_epochs": 2},
+     "kwargs": {"divergence_threshold": 0.5, "check_every": 4, "outer_optimizer": OUTER}},
 ]
 
 
@@ -79,3 +82,36 @@ def test_resuming_a_diloco_checkpoint_without_the_outer_optimizer_is_refused(run
     for result in runs["resumed_without_outer"]:
         assert result["error"] is not None and "ValueError" in result["error"]
         assert "with an outer_optimizer and is resumed without one" in result["error"]
+
+
+def test_dynamic_averaging_takes_the_outer_step_from_the_reference_at_full_syncs_only(runs):
+    """Full synchronization: Delta = r - mean of all replicas, theta = Nesterov step from r, which becomes r and
+    every replica. Partial synchronization: its members get their plain mean, r stays."""
+    results = _ok(runs["dynamic"])
+    size = results[0]["num_parameters"]
+    checks = [list(ranks) for ranks in zip(*(result["records"] for result in results))]
+    kinds = [records[0]["kind"] for records in checks]
+    assert kinds.count("full") >= 2 and kinds.count("partial") >= 1 and kinds.count("none") >= 1, kinds
+    buffer = None
+    for records in checks:
+        reference = records[0]["reference"].double()
+        assert all(torch.equal(records[0]["reference"], record["reference"]) for record in records[1:])
+        kind = records[0]["kind"]
+        if kind == "full":
+            mean = torch.stack([record["before"].double() for record in records]).mean(dim=0)
+            theta, buffer = _nesterov(reference, buffer, mean[:size])
+            after = records[0]["after"]
+            assert all(torch.equal(after, record["after"]) for record in records[1:])
+            torch.testing.assert_close(after[:size].double(), theta, rtol=0, atol=2e-5)
+            assert (after[:size].double() - mean[:size]).abs().max() > 1e-3  # not the plain average
+            assert torch.equal(records[0]["reference_after"], after[:size])
+            continue
+        members = [record for record in records if not torch.equal(record["before"], record["after"])]
+        assert (len(members) > 0) == (kind == "partial") and len(members) < len(records)
+        if members:
+            mean = torch.stack([record["before"].double() for record in members]).mean(dim=0)
+            for record in members:
+                torch.testing.assert_close(record["after"].double(), mean, rtol=0, atol=1e-6)
+        assert torch.equal(records[0]["reference_after"], records[0]["reference"])
+    outer = results[0]["protocol"]["outer"]
+    assert outer["steps"] == kinds.count("full") == results[0]["metrics"]["dynamic/full_syncs"]
