@@ -56,30 +56,30 @@ def check_flag(name: str, value: object) -> bool:
 
 def check_outer_optimizer(value: object, client_fraction: float = 1.0) -> OuterOptimizerFactory | None:
     """DiLoCo's ``outer_optimizer`` (:mod:`lightning_dist.algorithms.outer`): None, a callable that
-    builds a ``torch.optim.Optimizer`` from a list of tensors, or ``{"class_path": ..., "init_args": {...}}``
-    naming an Optimizer class (the form a LightningCLI YAML uses; the simulator's config passes it as
-    a plain mapping). Returns the factory, or None.
+    builds a ``torch.optim.Optimizer`` from a list of tensors, the import path of one (a string such
+    as ``"lightning_dist.algorithms.outer.diloco_outer_optimizer"``), or ``{"class_path": ...,
+    "init_args": {...}}`` naming an Optimizer class (the form a LightningCLI YAML uses; the
+    simulator's config passes it as a plain mapping). Returns the factory, or None.
 
     Refused with ``client_fraction < 1`` (FedAvg): the outer gradient ``reference - mean`` assumes every
     averaged replica started the round from the reference model, and FedAvg's non-participants keep
     training their own models, so a round's participants did not (their earlier local progress would
     be counted again as this round's update).
     """
+    value = _from_namespace(value)
     if value is None:
         return None
-    if isinstance(value, Mapping):
+    if isinstance(value, str):
+        value = _import("outer_optimizer", value)
+    elif isinstance(value, Mapping):
         unknown = set(value) - {"class_path", "init_args"}
         class_path, init_args = value.get("class_path"), value.get("init_args", {})
-        if unknown or not isinstance(class_path, str) or "." not in class_path or not isinstance(init_args, Mapping):
+        if unknown or not isinstance(class_path, str) or not isinstance(init_args, Mapping) or "params" in init_args:
             raise ValueError(
-                "outer_optimizer as a mapping must be {'class_path': 'module.OptimizerClass', 'init_args': {...}}; "
-                f"got {dict(value)!r}"
+                "outer_optimizer as a mapping must be {'class_path': 'module.OptimizerClass', 'init_args': {...}} "
+                f"(without params: the outer step passes its reference tensor); got {dict(value)!r}"
             )
-        module_name, _, class_name = class_path.rpartition(".")
-        try:
-            optimizer_class = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"outer_optimizer's class_path {class_path!r} cannot be imported: {error}") from error
+        optimizer_class = _import("outer_optimizer's class_path", class_path)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise ValueError(
                 f"outer_optimizer's class_path must name a torch.optim.Optimizer subclass; got {class_path!r}"
@@ -97,3 +97,40 @@ def check_outer_optimizer(value: object, client_fraction: float = 1.0) -> OuterO
             "reference, and FedAvg's non-participants keep training their own models"
         )
     return value
+
+
+def outer_optimizer_config(value: object) -> object:
+    """``outer_optimizer`` as a config records it (JSON): an import path as given, a mapping as a plain dict,
+    a callable by name."""
+    value = _from_namespace(value)
+    if isinstance(value, Mapping):
+        return {key: dict(item) if isinstance(item, Mapping) else item for key, item in value.items()}
+    if value is None or isinstance(value, str) or not callable(value):
+        return value
+    name = getattr(value, "__qualname__", None)
+    return f"{value.__module__}.{name}" if name is not None else repr(value)
+
+
+def _from_namespace(value: object) -> object:
+    """A jsonargparse Namespace back to ``{class_path, init_args}``; anything else as it is.
+
+    A simulator config's ``protocol`` is a ``dict[str, Any]``, in which jsonargparse resolves a
+    ``class_path`` mapping into a Namespace of the class's arguments, with ``params`` (the tensors,
+    which the outer step passes) filled with None; that entry is dropped.
+    """
+    if isinstance(value, Mapping) or not callable(getattr(value, "as_dict", None)):
+        return value
+    plain = value.as_dict()  # type: ignore[attr-defined]
+    init_args = plain.get("init_args")
+    if isinstance(init_args, Mapping) and "params" in init_args and init_args["params"] is None:
+        plain["init_args"] = {key: item for key, item in init_args.items() if key != "params"}
+    return plain
+
+
+def _import(name: str, path: str) -> object:
+    """The object at dotted import path ``path`` (``module.attribute``); a ValueError naming ``name`` otherwise."""
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"{name} {path!r} cannot be imported: {error}") from error

@@ -127,10 +127,13 @@ def test_outer_optimizer_argument_forms_and_refusals():
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["nesterov"] and optimizer.defaults["lr"] == 0.7
     assert check_outer_optimizer(None) is None
     assert check_outer_optimizer(diloco_outer_optimizer) is diloco_outer_optimizer
+    assert check_outer_optimizer("lightning_dist.algorithms.outer.diloco_outer_optimizer") is diloco_outer_optimizer
     for bad, message in [
         ({"class_path": "torch.optim.NoSuchOptimizer"}, "cannot be imported"),
         ({"class_path": "torch.nn.Linear"}, "Optimizer subclass"),
         ({"class": "torch.optim.SGD"}, "class_path"),
+        ({"class_path": "torch.optim.SGD", "init_args": {"params": [torch.zeros(1)]}}, "without params"),
+        ("no_such_module.factory", "cannot be imported"),
         (0.7, "outer_optimizer must be"),
     ]:
         with pytest.raises(ValueError, match=message):
