@@ -56,6 +56,10 @@ class CommStats:
         out.update({f"{prefix}bytes_{p}": float(b) for p, b in self.bytes_by_purpose.items()})
         return out
 
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """What a progress bar shows, under short keys so it stays readable: protocol MB (10^6 bytes) and syncs."""
+        return {"comm_MB": self.protocol_bytes / 1e6, "syncs": float(self.syncs)}
+
     def state_dict(self) -> dict[str, Any]:
         return {"vector": self.to_vector(), "syncs": self.syncs}
 

@@ -104,6 +104,7 @@ class LocalUpdateStrategy(DDPStrategy):
         self._evaluation_stash: Tensor | None = None
         self._summed_stats = CommStats()
         self._last_logged_step = -1
+        self._shown_stats: CommStats | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -271,6 +272,7 @@ class LocalUpdateStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._shown_stats = None  # Lightning empties the progress bar's metrics at the start of every fit
         self.check_batches_per_rank(self.lightning_module.trainer)
 
     def check_batches_per_rank(self, trainer: pl.Trainer) -> None:
@@ -314,10 +316,28 @@ class LocalUpdateStrategy(DDPStrategy):
         if trainer.global_step != self._last_logged_step and trainer.global_step % trainer.log_every_n_steps == 0:
             self._last_logged_step = trainer.global_step
             self.log_progress()
+        self.show_comm_stats()
 
     def log_progress(self) -> None:
         """Logging every ``log_every_n_steps`` during training: the summed counters (a collective)."""
         self.log_comm_stats()
+
+    def show_comm_stats(self) -> None:
+        """Show ``comm_stats`` (as of its last refresh) in the progress bar: ``comm_MB``, ``syncs``; no collective.
+
+        ``LightningModule.log(prog_bar=True, logger=False)`` from this training hook is Lightning's public route to
+        ``trainer.progress_bar_metrics``, which every progress bar shows; the loggers do not get these keys (they
+        get ``comm/*``). Logged only when the counters were refreshed since last shown (the bar keeps the last
+        value, and one ``log`` costs more than a small model's step), never without a progress bar. As float64 on
+        the host: exact, and no device synchronization when Lightning reads the bar's values after every batch.
+        """
+        module = self.lightning_module
+        if module.trainer.progress_bar_callback is None or self._summed_stats is self._shown_stats:
+            return
+        self._shown_stats = self._summed_stats
+        for name, value in self._summed_stats.progress_bar_metrics().items():
+            module.log(name, torch.tensor(value, dtype=torch.float64), prog_bar=True, logger=False, on_step=True,
+                       on_epoch=False, batch_size=1)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()

@@ -56,6 +56,8 @@ MATRIX: dict[str, dict[str, str]] = {
     "val_check_interval": _row(WORKS),
     "val_check_interval_time": _row(TIME_BASED),
     "max_steps": _row(WORKS),
+    "progress_bar": {column: WORKS for column in LOCAL_UPDATE},  # the strategies' comm_MB and syncs
+    "progress_bar_off": {column: WORKS for column in LOCAL_UPDATE},
     "limit_train_batches": _row(WORKS, cdgrab=CDGRAB_PARTIAL),
     "iterable_dataset": _row(WORKS, datagossip=DATAGOSSIP_ITERABLE, cdgrab=CDGRAB_SAMPLER),
     "iterable_dataset_unsized": _row(UNSIZED, datagossip=DATAGOSSIP_ITERABLE, cdgrab=CDGRAB_SAMPLER),
@@ -211,6 +213,34 @@ def check_max_steps(records, column):
     assert records[0]["global_step"] == 5
 
 
+BAR_KEYS = {"comm_MB", "syncs"}
+
+
+def check_progress_bar(records, column):
+    """After every training batch the user's own bar shows comm_MB and syncs as the strategy's summed counters stood
+    (their last refresh: every log_every_n_steps, or each validation for downpour_sgd), beside the user's own value;
+    trainer.progress_bar_metrics still holds them after fit."""
+    _check_common(records, column)
+    for record in records:
+        shown = record["shown"]
+        assert len(shown) == record["global_step"] > 0
+        for entry in shown:
+            bar = entry["bar"]
+            assert bar["comm_MB"] == entry["protocol_bytes"] / 1e6 and bar["syncs"] == entry["syncs"], entry
+            assert "user_value" in bar
+        assert all(record["progress_bar_metrics"][key] == shown[-1]["bar"][key] for key in BAR_KEYS)
+    # The bar moved with the run: refreshed counters replaced the first ones.
+    shown = records[0]["shown"]
+    assert shown[-1]["protocol_bytes"] > 0 and len({entry["bar"]["comm_MB"] for entry in shown}) >= 2
+
+
+def check_progress_bar_off(records, column):
+    """enable_progress_bar=False: nothing in progress_bar_metrics from the strategy, the user's value still there."""
+    _check_common(records, column)
+    for record in records:
+        assert not BAR_KEYS & record["progress_bar_metrics"].keys() and "user_value" in record["progress_bar_metrics"]
+
+
 def check_limit_train_batches(records, column):
     _check_common(records, column)
     world = COLUMNS[column]
@@ -243,6 +273,20 @@ def test_cell(launches, column, cell):
             assert error is not None and re.search(expected, error), error
 
 
+@pytest.mark.parametrize("column", LOCAL_UPDATE)
+def test_progress_bar_leaves_the_loggers_alone(launches, column):
+    """With or without the bar the loggers get the same calls: comm/* as before, never the bar's keys. The same
+    figures too, except downpour_sgd's, whose asynchronous ranks interleave differently from run to run."""
+    with_bar, without = launches(column, "progress_bar"), launches(column, "progress_bar_off")
+    assert [record["error"] for record in with_bar + without] == [None] * (len(with_bar) + len(without))
+    assert any(name.startswith("comm/") for _, metrics in with_bar[0]["logged"] for name in metrics)
+    for bar, off in zip(with_bar, without):
+        assert [(step, sorted(metrics)) for step, metrics in bar["logged"]] == \
+            [(step, sorted(metrics)) for step, metrics in off["logged"]]
+        assert not any(BAR_KEYS & metrics.keys() for _, metrics in bar["logged"])
+        if column != "downpour_sgd":
+            assert bar["logged"] == off["logged"]
+
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_COLUMNS = {"`dynamic_avg`": "dynamic_avg", "`periodic_avg`": "periodic_avg", "`fedavg`": "fedavg",
@@ -256,6 +300,8 @@ README_ROWS = {
     "`validate` / `test` / `predict` after fit": "evaluate_after_fit", "`val_check_interval=0.5`": "val_check_interval",
     "time-based `val_check_interval`": "val_check_interval_time", "`max_steps=5`": "max_steps",
     "`limit_train_batches=0.25`": "limit_train_batches",
+    "a user's own `ProgressBar`, a logger, the user's own `prog_bar` value": "progress_bar",
+    "`enable_progress_bar=False` (the user's `prog_bar` value and a logger)": "progress_bar_off",
     "`IterableDataset` with `__len__`, equal shards": "iterable_dataset",
     "`IterableDataset` without `__len__`": "iterable_dataset_unsized",
     "unequal batches per rank (`use_distributed_sampler=False`, 10 and 6 batches)": "unequal_batches",

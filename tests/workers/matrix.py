@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+from lightning.pytorch.loggers import Logger
 
 import lightning_dist
 from helpers.user_models import DigitsCNN, DigitsImages
@@ -55,6 +56,10 @@ CELLS: dict[str, tuple[dict, dict, dict]] = {
     "val_check_interval": ({"limit_train_batches": 8, "val_check_interval": 0.5}, {}, {}),
     "val_check_interval_time": ({"limit_train_batches": LIMIT, "val_check_interval": {"seconds": 1}}, {}, {}),
     "max_steps": ({"max_steps": 5, "max_epochs": -1}, {}, {}),
+    # A user's own progress bar and a logger, validation twice per epoch; "_off": the same without a bar.
+    "progress_bar": ({"limit_train_batches": 8, "val_check_interval": 0.5, "log_every_n_steps": 2,
+                      "enable_progress_bar": True}, {}, {}),
+    "progress_bar_off": ({"limit_train_batches": 8, "val_check_interval": 0.5, "log_every_n_steps": 2}, {}, {}),
     "limit_train_batches": ({"limit_train_batches": 0.25, "max_epochs": 2}, {}, {}),
     "iterable_dataset": ({}, {}, {"train": "iterable", "batch_size": 64}),
     "iterable_dataset_unsized": ({}, {}, {"train": "iterable_unsized", "batch_size": 64}),
@@ -78,6 +83,54 @@ class Recorder(Callback):
         if trainer.state.fn == "fit":
             self.validations.append({"state": _state(pl_module), "val_loss": float(trainer.callback_metrics["val_loss"]),
                                      "global_step": trainer.global_step})
+
+
+class BarRecorder(ProgressBar):
+    """A user's own progress bar: what it shows after every training batch, next to the strategy's counters then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: list[dict[str, Any]] = []
+
+    def disable(self) -> None:
+        pass
+
+    def enable(self) -> None:
+        pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = trainer.strategy.comm_stats
+        self.shown.append({"bar": dict(self.get_metrics(trainer, pl_module)), "protocol_bytes": stats.protocol_bytes,
+                           "syncs": stats.syncs})
+
+
+class UserBarValue(Callback):
+    """A user who puts a value of their own in the progress bar, from the hook the strategies log in."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.log("user_value", float(batch_idx), prog_bar=True)
+
+
+class RecordingLogger(Logger):
+    """Every call the loggers get: (step, metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((step, {name: float(value) for name, value in metrics.items()}))
 
 
 class Straggler(Callback):
@@ -128,10 +181,16 @@ def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
             callbacks.append(Straggler())
         checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", mode="min", save_top_k=1)
         callbacks.append(checkpoint)
+    logger: RecordingLogger | bool = False
+    if cell.startswith("progress_bar"):
+        logger = RecordingLogger()
+        callbacks.append(UserBarValue())
+        if trainer_kwargs.get("enable_progress_bar"):
+            callbacks.append(BarRecorder())
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=make_strategy(),
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpoint is not None,
-        callbacks=callbacks, num_sanity_val_steps=0, **{"max_epochs": 1, **trainer_kwargs},
+        logger=logger, enable_model_summary=False, enable_checkpointing=checkpoint is not None, callbacks=callbacks,
+        num_sanity_val_steps=0, **{"max_epochs": 1, "enable_progress_bar": False, **trainer_kwargs},
     )
     trainer.fit(model, datamodule=datamodule)
     strategy = trainer.strategy
@@ -144,7 +203,12 @@ def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
         "validations": recorder.validations,
         "batches_per_epoch": recorder.batches_per_epoch,
         "clipped_norms": model.clipped_norms,
+        "progress_bar_metrics": dict(trainer.progress_bar_metrics),
     }
+    if isinstance(logger, RecordingLogger):
+        record["logged"] = logger.calls
+    if trainer.progress_bar_callback is not None:
+        record["shown"] = trainer.progress_bar_callback.shown
     if isinstance(strategy, LocalUpdateStrategy):
         record.update(local_steps=strategy._local_steps, syncs=strategy.comm_stats.syncs,
                       comm=strategy.comm_stats, protocol=strategy.protocol_metrics())
