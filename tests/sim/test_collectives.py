@@ -10,7 +10,8 @@ MEGABIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 
 def run_collective(network, joins, nbytes, kind="all_reduce", payloads=None):
-    """Nodes join one collective at the virtual times ``joins``; returns (finish time and result per node, simulator)."""
+    """Nodes join one collective at the virtual times ``joins``; returns {node: (finish time, result)}, the
+    simulator and the calls of ``combine``."""
     simulator = Simulator(network)
     members = list(range(len(joins)))
     finished = {}

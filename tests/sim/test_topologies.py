@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from lightning_dist.algorithms.averaging import weighted_average
-from lightning_dist.sim import NetworkModel, NonFiniteModelError, PeriodicAveraging, SpeedModel
+from lightning_dist.sim import DynamicAveraging, NetworkModel, NonFiniteModelError, PeriodicAveraging, SpeedModel
 from sim.helpers import simulation
+from sim.test_protocols import PushWorkerZero
 
 MEGABIT = 1e6 / 8
 STEP, AGGREGATE, LATENCY, MBIT = 0.01, 0.003, 0.002, 4
@@ -96,3 +97,67 @@ def test_a_non_finite_worker_stops_the_strategy_topology_naming_it(client_fracti
 def test_an_unknown_topology_is_refused_by_name():
     with pytest.raises(ValueError, match="topology must be one of"):
         PeriodicAveraging(topology="ring")
+
+
+class PushedDynamic(PushWorkerZero):
+    """PushWorkerZero (worker 0 moves by a squared distance of 4 at step 5), run as the strategy runs it."""
+
+    def __init__(self, **arguments):
+        super().__init__(topology="strategy", **arguments)
+
+
+def test_dynamic_averaging_as_the_strategy_meets_at_every_check_and_balances_through_the_lowest_violator():
+    """One violator (worker 0) coordinates: its own model fails the condition (decision 1), the round adds 2
+    workers, which send their models, the mean of the 3 lies within Delta (decision 2), and the coordinator sends
+    it to the 2. Every worker all-gathers 8 bytes per check and waits for both decisions; only the 3 move."""
+    workers = 8
+    protocol = PushedDynamic(divergence_threshold=1.0, check_every=5, seed=3)
+    sim, result = run(protocol, workers, 10)
+    assert protocol.counts == {"checks": 2, "violations": 1, "full_syncs": 0, "partial_syncs": 1}
+    model_bytes = sim.replicas[0].get().nbytes
+    sent = sim.simulator.network.bytes_sent
+    gathers = 2 * (workers - 1) * 8
+    added = [rank for rank in range(1, workers) if sent[rank] > gathers]
+    assert len(added) == 2 and all(sent[rank] == gathers + model_bytes for rank in added)
+    assert sent[0] == gathers + 2 * (workers - 1) * 1 + 2 * model_bytes
+    assert all(sent[rank] == gathers for rank in range(workers) if rank not in [0, *added])
+    members = [0, *added]
+    mean = weighted_average([protocol.before[rank, 5] for rank in members])
+    for rank in range(workers):
+        assert torch.equal(protocol.after[rank, 5], mean if rank in members else protocol.before[rank, 5])
+    waits = {(wait["worker"], wait["step"]): wait["seconds"] for wait in result.waits}
+    starts = {(wait["worker"], wait["step"]): wait["start"] for wait in result.waits}
+    gather = (workers - 1) * (8 / (MBIT * MEGABIT) + LATENCY)
+    # Step 10 (no violator): the gather ends for everyone when the last arrival's gather would.
+    ends = [starts[rank, 10] + waits[rank, 10] for rank in range(workers)]
+    assert ends == pytest.approx([max(starts[rank, 10] for rank in range(workers)) + gather] * workers)
+    # Step 5, by hand: the gather; the coordinator aggregates its own model and sends its 7 decisions, rank k's
+    # arriving k byte-times later; the first added rank's model arrives after its decision, the second's right
+    # after it (the coordinator's receive port); the second aggregation; the second decisions; the two means.
+    decision, transfer = 1 / (MBIT * MEGABIT), model_bytes / (MBIT * MEGABIT)
+    first, second = added
+    coordinator_done = gather + AGGREGATE + first * decision + LATENCY + 2 * transfer + LATENCY + AGGREGATE
+    assert waits[0, 5] == pytest.approx(coordinator_done)
+    for rank in range(1, workers):
+        if rank not in members:
+            assert waits[rank, 5] == pytest.approx(coordinator_done + rank * decision + LATENCY)
+    means_leave = coordinator_done + (workers - 1) * decision  # the decisions leave the send port first
+    assert waits[first, 5] == pytest.approx(means_leave + transfer + LATENCY)
+    assert waits[second, 5] == pytest.approx(means_leave + 2 * transfer + LATENCY)
+
+
+def test_dynamic_averaging_as_the_strategy_all_reduces_a_full_synchronisation_forced_by_the_violation_counter():
+    workers = 4
+    protocol = DynamicAveraging(divergence_threshold=1e-9, check_every=3, topology="strategy")
+    sim, result = run(protocol, workers, 6)
+    assert protocol.counts == {"checks": 2, "violations": 8, "full_syncs": 2, "partial_syncs": 0}
+    model_bytes = sim.replicas[0].get().nbytes
+    per_check = workers * (workers - 1) * 8 + 2 * (workers - 1) * model_bytes  # the gather and the ring
+    assert sim.simulator.network.total_bytes == 2 * per_check
+    gather = (workers - 1) * (8 / (MBIT * MEGABIT) + LATENCY)
+    ring = 2 * (workers - 1) * (model_bytes / workers / (MBIT * MEGABIT) + LATENCY)
+    assert result.summary["virtual_seconds"] == pytest.approx(2 * (3 * STEP + gather + ring), rel=1e-12)
+    final = sim.replicas[0].get()
+    assert all(torch.equal(replica.get(), final) for replica in sim.replicas)
+    parameters = final[: sim.replicas[0].vector.num_parameters]
+    assert all(torch.equal(reference, parameters) for reference in protocol.references)

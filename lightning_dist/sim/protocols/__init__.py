@@ -29,5 +29,6 @@ def make_protocol(name: str, **arguments: Any) -> Protocol:
     return PROTOCOLS[name](**arguments)
 
 
-__all__ = ["PROTOCOLS", "DataParallel", "DynamicAveraging", "ParameterServer", "PeriodicAveraging", "Protocol", "SegmentedGossip",
+__all__ = ["PROTOCOLS", "DataParallel", "DynamicAveraging", "ParameterServer", "PeriodicAveraging", "Protocol",
+           "SegmentedGossip",
            "make_protocol"]

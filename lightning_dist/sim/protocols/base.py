@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any
 import simpy
 from torch import Tensor
 
+from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.sim.replica import check_finite
+
 if TYPE_CHECKING:
     from lightning_dist.sim.engine import Node
     from lightning_dist.sim.simulation import Simulation
@@ -25,6 +28,14 @@ def check_topology(value: object) -> str:
     if value not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {list(TOPOLOGIES)}; got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def checked_mean(models: list[Tensor]) -> Tensor:
+    """The mean of the workers' models (in worker order), refusing a non-finite one by its worker: what an
+    all-reduce of every worker's model gives."""
+    for worker, model in enumerate(models):
+        check_finite(model, worker)
+    return weighted_average(models)
 
 
 class Protocol(ABC):

@@ -26,18 +26,48 @@ event by event, as the authors' platform, fraunhofer-iais/dlplatform, runs it):
 So only the violators, the ranks added to ``B`` and the coordinator spend virtual time or send
 bytes; members wait from sending their model until the balanced one arrives, so the average of
 all models is what it was (paper 004).
+
+``topology="strategy"`` instead moves what :class:`~lightning_dist.strategies.DynamicAveragingStrategy`
+moves, with no coordinator node; every worker meets the others at every check:
+
+- Every worker all-gathers its ``||f_i - r||^2`` (8 bytes, a ring all-gather of all workers), so
+  all learn the violators at the same instant. Without violators everyone trains on.
+- The lowest violator coordinates. Every worker runs
+  :func:`~lightning_dist.algorithms.averaging.balancing_rounds` with its own copy of the shared
+  seeded generator and violation counter, as the strategy's ranks do. In each round the ranks the
+  round added send their models to the coordinator, which aggregates (one ``execute``) and sends
+  its 1-byte decision (the mean of ``B`` within ``Delta`` or not) to every other worker; every
+  worker waits for it, members or not.
+- A full synchronisation forced by the violation counter is one ring all-reduce of all models;
+  otherwise the members the rounds did not fetch send their models, and the coordinator sends the
+  mean to the members (the strategy's ``star_average``). Non-members go on after the last decision.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_divergence_threshold, check_steps
-from lightning_dist.algorithms.averaging import balancing_rounds, local_condition_holds, weighted_average
+from lightning_dist.algorithms.arguments import (
+    check_divergence_threshold,
+    check_outer_optimizer,
+    check_steps,
+    outer_optimizer_config,
+)
+from lightning_dist.algorithms.averaging import (
+    accumulation_dtype,
+    balancing_rounds,
+    local_condition_holds,
+    squared_distance,
+    weighted_average,
+)
+from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Message, Node
-from lightning_dist.sim.protocols.base import Program, Protocol
-from lightning_dist.sim.replica import check_finite
+from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
+from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 _MODEL = "model"  # worker -> coordinator: (model, violated): a violation report, or the answer to a request
 _REQUEST = "request"  # coordinator -> worker: send your model (payload: the balancing's number)
@@ -49,16 +79,32 @@ class DynamicAveraging(Protocol):
     divergence_threshold: ``Delta > 0``, squared L2 distance to the reference; default 0.7 (paper 004's MNIST study).
     check_every: ``b >= 1``, steps between local-condition checks; default 10.
     seed: seeds the augmentation of the balancing set.
+    topology: ``"server"`` (a coordinator node, Algorithm 1 event by event) or ``"strategy"`` (the
+        strategy's all-gathered distances and balancing through the lowest violator).
+    outer_optimizer: None, or DiLoCo's outer optimizer applied at full synchronisations with ``r`` as
+        the anchor, as :class:`~lightning_dist.strategies.DynamicAveragingStrategy` does (one shared
+        :class:`~lightning_dist.algorithms.outer.OuterStep`, stepped once per full synchronisation,
+        at no virtual time); written as for :class:`PeriodicAveraging`.
     """
 
     name = "dynamic_avg"
-    num_servers = 1
-    arguments = ("divergence_threshold", "check_every", "seed")
+    arguments = ("divergence_threshold", "check_every", "seed", "topology", "outer_optimizer")
 
-    def __init__(self, divergence_threshold: float = 0.7, check_every: int = 10, seed: int = 0) -> None:
+    def __init__(
+        self,
+        divergence_threshold: float = 0.7,
+        check_every: int = 10,
+        seed: int = 0,
+        topology: str = "server",
+        outer_optimizer: object = None,
+    ) -> None:
         self.divergence_threshold = check_divergence_threshold(divergence_threshold)
         self.check_every = check_steps("check_every", check_every, "steps between checks")
         self.seed = seed
+        self.topology = check_topology(topology)
+        self.num_servers = 1 if self.topology == "server" else 0
+        self._outer_factory = check_outer_optimizer(outer_optimizer)
+        self.outer_optimizer = outer_optimizer_config(outer_optimizer)
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -66,14 +112,22 @@ class DynamicAveraging(Protocol):
         initial = simulation.replicas[0]
         self.reference = initial.vector.parameters_of(initial.get()).clone()
         self.references = [self.reference] * simulation.num_workers
+        self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.violation_counter = 0
         self.balancings = 0
         self._answered = [0] * simulation.num_workers  # the last balancing each worker took part in
         self.counts = {"checks": 0, "violations": 0, "full_syncs": 0, "partial_syncs": 0}
+        # topology="strategy": each worker's copy of the shared generator and violation counter.
+        self._generators = [torch.Generator().manual_seed(self.seed) for _ in range(simulation.num_workers)]
+        self._counters = [0] * simulation.num_workers
 
     # ------------------------------------------------------------------ workers
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
+        if self.topology == "strategy":
+            if step % self.check_every == 0:
+                yield from self._check_as_strategy(node, rank, step // self.check_every)
+            return
         if self._pending_request(node, rank):
             yield from self._join(node, rank, violated=False)
         if step % self.check_every:
@@ -107,9 +161,91 @@ class DynamicAveraging(Protocol):
         message = yield node.recv(source=self.simulation.server, tag=_BALANCED)
         balancing, mean, full_sync = message.payload
         self._answered[rank] = balancing
+        self._take(rank, mean, full_sync)
+
+    def _take(self, rank: int, mean: Tensor, full_sync: bool) -> None:
+        """Member ``rank`` replaces its model by the balanced ``mean``; a full synchronisation also makes it
+        the worker's reference model."""
+        replica = self.simulation.replicas[rank]
         replica.set(mean)
         if full_sync:
             self.references[rank] = replica.vector.parameters_of(mean).clone()
+
+    def _check_as_strategy(self, node: Node, rank: int, check: int) -> Program:
+        """One check as the strategy runs it on every rank (see the module docstring)."""
+        workers = list(range(self.simulation.num_workers))
+        local = self.simulation.replicas[rank].get()
+        distance = squared_distance(self._parameters(local), self.references[rank])
+        distances = yield from node.all_gather(("distance", check), workers, distance, nbytes=8)
+        non_finite = [worker for worker, value in enumerate(distances) if not math.isfinite(value)]
+        if non_finite:
+            raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
+        violators = [worker for worker, value in enumerate(distances) if value > self.divergence_threshold]
+        coordinator = violators[0] if violators else None
+        if rank == 0:
+            self.counts["checks"] = check
+            self.counts["violations"] += len(violators)
+        if coordinator is None:
+            return
+        rounds = balancing_rounds(violators, len(workers), self._counters[rank], self._generators[rank])
+        models: dict[int, Tensor] = {rank: local}
+        summed: list[int] = []
+        mean = local
+        try:
+            members, added = next(rounds)
+            for round_index in itertools.count():
+                mean = yield from self._star_sum(node, rank, coordinator, members, added, models, check)
+                if rank == coordinator:
+                    reference = self.references[rank]
+                    within = local_condition_holds(self._parameters(mean), reference, self.divergence_threshold)
+                    for other in workers:
+                        if other != coordinator:
+                            node.send(other, within, tag=("decision", check, round_index), nbytes=1)
+                else:
+                    within = (yield node.recv(source=coordinator, tag=("decision", check, round_index))).payload
+                summed = members
+                members, added = rounds.send(within)
+        except StopIteration as done:
+            members, self._counters[rank] = done.value
+        full_sync = len(members) == len(workers)
+        if full_sync and not summed:
+            nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
+            combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
+            mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
+        elif rank in members:
+            if members != summed:
+                added = [member for member in members if member not in summed]
+                mean = yield from self._star_sum(node, rank, coordinator, members, added, models, check)
+            if rank == coordinator:
+                if full_sync and self.outer is not None:
+                    mean = self.outer.step(mean)
+                for member in members:
+                    if member != coordinator:
+                        node.send(member, mean, tag=("mean", check))
+            else:
+                mean = (yield node.recv(source=coordinator, tag=("mean", check))).payload
+        else:
+            return
+        if rank == coordinator:
+            self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
+        self._take(rank, mean, full_sync)
+
+    def _star_sum(
+        self, node: Node, rank: int, coordinator: int, members: list[int], added: list[int],
+        models: dict[int, Tensor], check: int,
+    ) -> Program:
+        """The ranks in ``added`` send their models to the coordinator, which returns the mean of ``members``
+        (one aggregation); other ranks return None."""
+        senders = [member for member in added if member != coordinator]
+        if rank in senders:
+            node.send(coordinator, models[rank], tag=("model", check))
+        if rank != coordinator:
+            return None
+        for _ in senders:
+            message = yield node.recv(tag=("model", check))
+            check_finite(message.payload, message.source)
+            models[message.source] = message.payload
+        return (yield from node.execute(weighted_average, [models[member] for member in members], kind="aggregate"))
 
     # ------------------------------------------------------------------ coordinator
 
@@ -154,6 +290,8 @@ class DynamicAveraging(Protocol):
             yield from self._fetch(node, [r for r in members if r not in models], models, reports, balancing)
             mean = yield from node.execute(weighted_average, [models[r] for r in members], kind="aggregate")
         full_sync = len(members) == workers
+        if full_sync and self.outer is not None:
+            mean = self.outer.step(mean)
         if full_sync:
             self.reference = self._parameters(mean).clone()
         self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
@@ -185,4 +323,5 @@ class DynamicAveraging(Protocol):
         return self.simulation.replicas[0].vector.parameters_of(vector)
 
     def metrics(self) -> dict[str, float]:
-        return {f"dynamic/{key}": float(value) for key, value in self.counts.items()}
+        outer = {} if self.outer is None else self.outer.metrics()
+        return {**{f"dynamic/{key}": float(value) for key, value in self.counts.items()}, **outer}

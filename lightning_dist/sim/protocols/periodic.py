@@ -16,17 +16,27 @@ the others keep training. ``topology`` says which messages carry it:
   to the others.
 
 Both give the same models; only the time and the bytes of a round differ.
+
+DiLoCo (``outer_optimizer``): the round's mean goes through the strategy's outer step
+(:class:`~lightning_dist.algorithms.outer.OuterStep`, one shared copy: the strategy's ranks step
+identical copies with the same mean) and every worker continues from its result. The outer step
+is element-wise and costs no virtual time (it is not modelled apart from the aggregation).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_client_fraction, check_steps
+from lightning_dist.algorithms.arguments import (
+    check_client_fraction,
+    check_outer_optimizer,
+    check_steps,
+    outer_optimizer_config,
+)
 from lightning_dist.algorithms.averaging import accumulation_dtype, sample_participants, weighted_average
+from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Node
-from lightning_dist.sim.protocols.base import Program, Protocol, check_topology
+from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 
@@ -37,23 +47,40 @@ class PeriodicAveraging(Protocol):
     seed: seeds the choice of participants.
     topology: ``"server"`` (an aggregation server, paper 002) or ``"strategy"`` (the strategy's
         all-reduce, or its star through the lowest participant for ``C < 1``).
+    outer_optimizer: None (plain averaging), or DiLoCo's outer optimizer as the strategy takes it; in
+        a config ``{class_path: torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}``
+        or an import path such as ``lightning_dist.algorithms.outer.diloco_outer_optimizer``. Needs ``C = 1``.
     """
 
     name = "periodic"
-    arguments = ("period", "client_fraction", "seed", "topology")
+    arguments = ("period", "client_fraction", "seed", "topology", "outer_optimizer")
 
-    def __init__(self, period: int = 10, client_fraction: float = 1.0, seed: int = 0, topology: str = "server") -> None:
+    def __init__(
+        self,
+        period: int = 10,
+        client_fraction: float = 1.0,
+        seed: int = 0,
+        topology: str = "server",
+        outer_optimizer: object = None,
+    ) -> None:
         self.period = check_steps("period", period, "local steps between averagings")
         self.client_fraction = check_client_fraction(client_fraction)
         self.seed = seed
         self.topology = check_topology(topology)
         self.num_servers = 1 if self.topology == "server" else 0
+        self._outer_factory = check_outer_optimizer(outer_optimizer, self.client_fraction)
+        self.outer_optimizer = outer_optimizer_config(outer_optimizer)
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
         self._generator = torch.Generator().manual_seed(self.seed)
         self._participants: list[list[int]] = []
         self.rounds = simulation.max_steps // self.period
+        start = simulation.replicas[0]
+        self.outer = (
+            None if self._outer_factory is None
+            else OuterStep(start.vector.parameters_of(start.get()), self._outer_factory)
+        )
 
     def participants(self, round_index: int) -> list[int]:
         """Participants of round ``round_index`` (from 1), drawn in round order from the shared seed."""
@@ -90,8 +117,10 @@ class PeriodicAveraging(Protocol):
         local = self.simulation.replicas[rank].get()
         if len(participants) == len(workers):
             nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
-            return (yield from node.all_reduce(("average", round_index), workers, local, _checked_mean, nbytes=nbytes))
-        flags = yield from node.all_gather(("finite", round_index), workers, bool(torch.isfinite(local).all()), nbytes=1)
+            combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
+            return (yield from node.all_reduce(("average", round_index), workers, local, combine, nbytes=nbytes))
+        finite = bool(torch.isfinite(local).all())
+        flags = yield from node.all_gather(("finite", round_index), workers, finite, nbytes=1)
         if not all(flags):
             raise NonFiniteModelError(
                 f"workers {[worker for worker, finite in enumerate(flags) if not finite]} have non-finite models; "
@@ -122,12 +151,10 @@ class PeriodicAveraging(Protocol):
                 check_finite(message.payload, message.source)
                 models[message.source] = message.payload
             mean = yield from node.execute(weighted_average, [models[rank] for rank in participants], kind="aggregate")
+            if self.outer is not None:
+                mean = self.outer.step(mean)
             for rank in participants:
                 node.send(rank, mean, tag=("mean", round_index))
 
-
-def _checked_mean(models: list[Tensor]) -> Tensor:
-    """The mean of the workers' models (in worker order), refusing a non-finite one by its worker."""
-    for worker, model in enumerate(models):
-        check_finite(model, worker)
-    return weighted_average(models)
+    def metrics(self) -> dict[str, float]:
+        return {} if self.outer is None else self.outer.metrics()
