@@ -133,8 +133,13 @@ class Node:
     def send(self, target: int, payload: Any, tag: Hashable = None, nbytes: Optional[int] = None) -> simpy.Event:
         """Post ``payload`` to node ``target``; returns an event that fires when it has arrived.
 
-        The caller need not wait for it: sending is independent of compute.
+        The caller need not wait for it: sending is independent of compute. A message to the node
+        itself (between two programs of one node, :meth:`Simulator.add_program`) is a local call:
+        delivered at once, without bytes.
         """
+        if target == self.index:
+            self.mailbox.put(Message(self.index, tag, payload, 0, self.now))
+            return self.simulator.env.event().succeed()
         size = payload_bytes(payload) if nbytes is None else nbytes
         message = Message(self.index, tag, payload, size, self.now)
         target_node = self.simulator.nodes[target]
@@ -240,6 +245,12 @@ class Simulator:
         self.nodes.append(node)
         self._programs.append((node, program))
         return node
+
+    def add_program(self, index: int, program: Callable[[Node], Generator]) -> None:
+        """Also run ``program(node)`` on node ``index`` (a second thread of that computer, e.g. a server)."""
+        if self.network is not None:
+            raise RuntimeError("programs must be added before the simulation starts")
+        self._programs.append((self.nodes[index], program))
 
     def start(self) -> None:
         self.network = Network(self.env, self.network_model, len(self.nodes))

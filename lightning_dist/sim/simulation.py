@@ -157,6 +157,8 @@ class Simulation:
             self.simulator.add_node(f"worker{rank}", self._worker_program)
         if self.protocol.num_servers:
             self.simulator.add_node("server", self.protocol.server)
+        elif self.protocol.server_on_worker is not None:
+            self.simulator.add_program(self.protocol.server_on_worker, self.protocol.server)
         self.result = SimulationResult()
         self._total_steps = 0
         self._next_eval = 0

@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from lightning_dist.algorithms.averaging import weighted_average
-from lightning_dist.sim import DynamicAveraging, NetworkModel, NonFiniteModelError, PeriodicAveraging, SpeedModel
+from lightning_dist.sim import (
+    DynamicAveraging,
+    NetworkModel,
+    NonFiniteModelError,
+    ParameterServer,
+    PeriodicAveraging,
+    SpeedModel,
+)
 from sim.helpers import simulation
 from sim.test_protocols import PushWorkerZero
 
@@ -161,3 +168,42 @@ def test_dynamic_averaging_as_the_strategy_all_reduces_a_full_synchronisation_fo
     assert all(torch.equal(replica.get(), final) for replica in sim.replicas)
     parameters = final[: sim.replicas[0].vector.num_parameters]
     assert all(torch.equal(reference, parameters) for reference in protocol.references)
+
+
+@pytest.mark.parametrize("workers", [3, 4])
+def test_synchronous_parameter_server_as_the_strategy_serves_from_worker_zeros_node(workers):
+    """One round: the other workers' pushes (update + 32-byte header) queue at worker 0's receive port, worker 0's
+    own push is a local call, one aggregation, then the server thread's blocking replies in rank order. The global
+    model is the server topology's."""
+    push_every = 3
+    reference, _ = run(ParameterServer(push_every=push_every, synchronous=True), workers, push_every)
+    protocol = ParameterServer(push_every=push_every, synchronous=True, topology="strategy")
+    sim, result = run(protocol, workers, push_every)
+    assert len(sim.simulator.nodes) == workers
+    assert torch.equal(protocol.global_model(), reference.protocol.global_model())
+    for replica in sim.replicas:
+        assert torch.equal(replica.get(), protocol.global_model().to(replica.get().dtype))
+    message = sim.replicas[0].get().nbytes + 32
+    assert sim.simulator.network.bytes_sent == [(workers - 1) * message] + [message] * (workers - 1)
+    transfer = message / (MBIT * MEGABIT)
+    uploads = (workers - 1) * transfer + LATENCY
+    waits = {wait["worker"]: wait["seconds"] for wait in result.waits}
+    assert waits[0] == pytest.approx(uploads + AGGREGATE)
+    for rank in range(1, workers):
+        assert waits[rank] == pytest.approx(uploads + AGGREGATE + rank * (transfer + LATENCY))
+    assert sim.simulator.network.total_bytes < reference.simulator.network.total_bytes * (workers - 1) / workers + 1e3
+
+
+def test_asynchronous_parameter_server_as_the_strategy_costs_worker_zero_no_bytes():
+    workers, push_every, steps = 3, 2, 6
+    protocol = ParameterServer(push_every=push_every, topology="strategy")
+    sim, _ = run(protocol, workers, steps)
+    message = sim.replicas[0].get().nbytes + 32
+    pushes = steps // push_every
+    assert sim.simulator.network.bytes_sent == [(workers - 1) * pushes * message] + [pushes * message] * (workers - 1)
+    assert protocol.store.version == workers * pushes
+
+
+def test_parameter_server_as_the_strategy_refuses_max_staleness():
+    with pytest.raises(ValueError, match="max_staleness must be None with topology='strategy'"):
+        ParameterServer(max_staleness=2, topology="strategy")

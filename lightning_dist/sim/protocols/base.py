@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import simpy
 from torch import Tensor
@@ -48,6 +48,9 @@ class Protocol(ABC):
 
     name: str
     num_servers: int = 0
+    server_on_worker: Optional[int] = None
+    """With no server node of its own: the worker whose node also runs :meth:`server` (DownpourSGD's server
+    thread on rank 0)."""
 
     def setup(self, simulation: Simulation) -> None:
         """Called once before the simulation starts, when replicas and the data are ready."""
@@ -75,7 +78,7 @@ class Protocol(ABC):
         yield from ()
 
     def server(self, node: Node) -> Program:
-        """The program of the server node (only for protocols with ``num_servers == 1``)."""
+        """The program of the server node (protocols with ``num_servers == 1`` or a ``server_on_worker``)."""
         raise RuntimeError(f"protocol {self.name!r} has no server node")
 
     def global_model(self) -> Tensor:

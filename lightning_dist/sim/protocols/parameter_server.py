@@ -7,6 +7,14 @@ and waits for the global model. The asynchronous server applies each update on a
 that worker at once; the synchronous one (paper 001's SSGD) waits for every worker's update of the
 round, applies their mean as one server version and sends the model back to all workers, one after
 the other through its send port. Buffers and the float32 master follow ``GlobalModel``'s rules.
+
+``topology="strategy"`` places the server as :class:`~lightning_dist.strategies.DownpourSGDStrategy`
+does: a thread on worker 0's node, which also trains. Worker 0's pushes and replies are local calls
+(no bytes, no transfer), so ``N - 1`` workers use the network, all through worker 0's ports. Every
+push and reply carries the strategy's 32-byte header. The server thread answers with a blocking
+send: it takes the next push only once its reply has arrived (modelled as the reply's arrival).
+``max_staleness`` is refused there: the strategy's header round trip before a possibly stale
+update is not modelled.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from lightning_dist.algorithms.parameter_server import (
     push_message,
 )
 from lightning_dist.sim.engine import Node
-from lightning_dist.sim.protocols.base import Program, Protocol
+from lightning_dist.sim.protocols.base import Program, Protocol, check_topology
+
+HEADER_BYTES = 4 * 8  # the strategy's header: kind, rank, version, spare as int64 (strategies/parameter_server.py)
 
 
 class ParameterServer(Protocol):
@@ -31,17 +41,33 @@ class ParameterServer(Protocol):
     push_every: local steps between pushes (DESIGN 3.5's default 5); ``>= 1``.
     synchronous: a barrier per round (paper 001's synchronous mode) instead of asynchronous pushes.
     max_staleness: drop updates staler than this many server versions; None keeps all.
+    topology: ``"server"`` (a server node of its own) or ``"strategy"`` (the strategy's server thread on
+        worker 0's node).
     """
 
     name = "parameter_server"
-    num_servers = 1
-    arguments = ("push_every", "synchronous", "max_staleness")
+    arguments = ("push_every", "synchronous", "max_staleness", "topology")
 
-    def __init__(self, push_every: int = 5, synchronous: bool = False, max_staleness: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        push_every: int = 5,
+        synchronous: bool = False,
+        max_staleness: Optional[int] = None,
+        topology: str = "server",
+    ) -> None:
         self.push_every = check_steps("push_every", push_every, "local steps between pushes")
         self.synchronous = check_flag("synchronous", synchronous)
         check_max_staleness(max_staleness)
         self.max_staleness = max_staleness
+        self.topology = check_topology(topology)
+        if self.topology == "strategy" and max_staleness is not None:
+            raise ValueError(
+                "max_staleness must be None with topology='strategy': the strategy's header round trip before "
+                f"a stale update is not modelled; got max_staleness={max_staleness!r}"
+            )
+        self.num_servers = 1 if self.topology == "server" else 0
+        self.server_on_worker = None if self.topology == "server" else 0
+        self.header_bytes = 0 if self.topology == "server" else HEADER_BYTES
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -52,14 +78,15 @@ class ParameterServer(Protocol):
         self.pulled = [initial] * simulation.num_workers
         self.versions = [0] * simulation.num_workers
         self.published = (self.store.vector.clone(), self.store.version)
+        self.server_node = simulation.server if self.topology == "server" else self.server_on_worker
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         if step % self.push_every:
             return
         replica = self.simulation.replicas[rank]
         update = push_message(replica.get(), self.pulled[rank], self.num_parameters)
-        node.send(self.simulation.server, (update, self.versions[rank]), tag="push")
-        message = yield node.recv(source=self.simulation.server, tag="pull")
+        node.send(self.server_node, (update, self.versions[rank]), tag="push", nbytes=self._bytes(update))
+        message = yield node.recv(source=self.server_node, tag="pull")
         vector, version = message.payload
         replica.set(vector)
         # The replica as it now is, in the model's dtype (see push_message).
@@ -78,7 +105,7 @@ class ParameterServer(Protocol):
                 yield from node.execute(self.store.push_round, ordered, kind="aggregate")
                 self.publish()
                 for rank in range(workers):
-                    node.send(rank, self.published, tag="pull")
+                    yield from self._reply(node, rank)
             return
         for _ in range(self.rounds * workers):
             message = yield node.recv(tag="push")
@@ -86,7 +113,17 @@ class ParameterServer(Protocol):
             check_finite(update, message.source)
             yield from node.execute(self.store.push, update, pulled_version, message.source, kind="aggregate")
             self.publish()
-            node.send(message.source, self.published, tag="pull")
+            yield from self._reply(node, message.source)
+
+    def _bytes(self, vector: Tensor) -> int:
+        """A push's or reply's bytes: the vector and its version (8 bytes), or the strategy's header."""
+        return vector.nbytes + (self.header_bytes or 8)
+
+    def _reply(self, node: Node, rank: int) -> Program:
+        """Send the published model to ``rank``; the strategy's server thread waits for the send to finish."""
+        sent = node.send(rank, self.published, tag="pull", nbytes=self._bytes(self.published[0]))
+        if self.topology == "strategy":
+            yield sent
 
     def publish(self) -> None:
         """Make the server's model as of the end of its aggregation the one workers and evaluations see.
