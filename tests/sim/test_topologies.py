@@ -11,10 +11,11 @@ from lightning_dist.sim import (
     NonFiniteModelError,
     ParameterServer,
     PeriodicAveraging,
+    SegmentedGossip,
     SpeedModel,
 )
 from sim.helpers import simulation
-from sim.test_protocols import PushWorkerZero
+from sim.test_protocols import PoisonWorker, PushWorkerZero
 
 MEGABIT = 1e6 / 8
 STEP, AGGREGATE, LATENCY, MBIT = 0.01, 0.003, 0.002, 4
@@ -87,17 +88,18 @@ def test_fedavg_as_the_strategy_meets_for_the_flags_then_averages_through_the_lo
     assert waits[coordinator] == pytest.approx(gather + 2 * transfer + LATENCY + AGGREGATE)
 
 
-@pytest.mark.parametrize("client_fraction", [1.0, 0.5])
-def test_a_non_finite_worker_stops_the_strategy_topology_naming_it(client_fraction):
-    class Poisoned(PeriodicAveraging):
-        def after_step(self, node, rank, step):
-            if rank == 2 and step == 3:
-                replica = self.simulation.replicas[rank]
-                replica.set(torch.full_like(replica.get(), float("nan")))
-            yield from super().after_step(node, rank, step)
-
-    protocol = Poisoned(period=3, client_fraction=client_fraction, topology="strategy")
-    with pytest.raises(NonFiniteModelError, match="2"):
+@pytest.mark.parametrize(
+    ("base", "arguments"),
+    [
+        (PeriodicAveraging, {"period": 3}),
+        (PeriodicAveraging, {"period": 3, "client_fraction": 0.5}),
+        (DynamicAveraging, {"check_every": 3}),
+        (SegmentedGossip, {"segments": 2, "replicas": 1, "period": 3}),
+    ],
+)
+def test_a_non_finite_worker_stops_the_strategy_topology_naming_it(base, arguments):
+    protocol = type("Poisoned", (PoisonWorker, base), {})(topology="strategy", **arguments)
+    with pytest.raises(NonFiniteModelError, match=r"\[2\]|worker 2"):
         simulation(protocol, workers=4, max_steps=6).run()
 
 
@@ -207,3 +209,17 @@ def test_asynchronous_parameter_server_as_the_strategy_costs_worker_zero_no_byte
 def test_parameter_server_as_the_strategy_refuses_max_staleness():
     with pytest.raises(ValueError, match="max_staleness must be None with topology='strategy'"):
         ParameterServer(max_staleness=2, topology="strategy")
+
+
+def test_segmented_gossip_as_the_strategy_adds_the_finiteness_meeting_before_each_round():
+    workers, period, rounds = 5, 3, 2
+    reference, reference_result = run(SegmentedGossip(segments=2, replicas=2, period=period), workers, period * rounds)
+    protocol = SegmentedGossip(segments=2, replicas=2, period=period, topology="strategy")
+    sim, result = run(protocol, workers, period * rounds)
+    for replica, expected in zip(sim.replicas, reference.replicas):
+        assert torch.equal(replica.get(), expected.get())
+    flags = rounds * (workers - 1)  # 1 byte to each other worker per round
+    assert sim.simulator.network.bytes_sent == [sent + flags for sent in reference.simulator.network.bytes_sent]
+    gather = (workers - 1) * (1 / (MBIT * MEGABIT) + LATENCY)
+    assert result.summary["virtual_seconds"] == pytest.approx(
+        reference_result.summary["virtual_seconds"] + rounds * gather, rel=1e-9)

@@ -7,6 +7,12 @@ waits for the segments it pulls, and aggregates them
 (:func:`~lightning_dist.algorithms.segmented_gossip.aggregate`), exactly as
 :class:`~lightning_dist.strategies.SegmentedGossipStrategy` does between processes. With the
 network model's per-link and per-node caps this is paper 002's setting.
+
+``topology="strategy"`` adds what the strategy sends besides the segments: before every round all
+workers all-gather a 1-byte finiteness flag (``raise_if_non_finite``, a meeting of all workers).
+With the default, ``"server"`` (the papers' setting; gossip has no server), only the segments
+travel and models are checked in place. Gloo moves a pair's two directions one after the other:
+``NetworkModel(half_duplex_links=True)`` models that (measured in ``benchmarks/sim_paper002.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from lightning_dist.algorithms.segmented_gossip import (
     transfers,
 )
 from lightning_dist.sim.engine import Node
-from lightning_dist.sim.protocols.base import Program, Protocol
-from lightning_dist.sim.replica import check_finite
+from lightning_dist.sim.protocols.base import Program, Protocol, check_topology
+from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 
 class SegmentedGossip(Protocol):
@@ -34,17 +40,22 @@ class SegmentedGossip(Protocol):
     replicas: ``R`` peers each segment is pulled from, in ``[1, workers - 1]``. Default 2.
     period: ``tau >= 1``, local steps between rounds. Default 40.
     seed: seeds the pull plans.
+    topology: ``"server"`` (the segments only) or ``"strategy"`` (also the strategy's all-gathered
+        finiteness flags before each round).
     """
 
     name = "segmented_gossip"
-    arguments = ("segments", "replicas", "period", "seed")
+    arguments = ("segments", "replicas", "period", "seed", "topology")
 
-    def __init__(self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0) -> None:
+    def __init__(
+        self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0, topology: str = "server"
+    ) -> None:
         check_gossip_arguments(segments, replicas, period)
         self.segments = segments
         self.replicas = replicas
         self.period = period
         self.seed = seed
+        self.topology = check_topology(topology)
 
     def validate(self, num_workers: int, max_steps: int) -> None:
         if num_workers < 2 or self.replicas > num_workers - 1:
@@ -74,6 +85,15 @@ class SegmentedGossip(Protocol):
         plan, links = self.plan(round_index)
         replica = self.simulation.replicas[rank]
         local = replica.get()
+        if self.topology == "strategy":
+            workers = list(range(self.simulation.num_workers))
+            finite = bool(torch.isfinite(local).all())
+            flags = yield from node.all_gather(("finite", round_index), workers, finite, nbytes=1)
+            if not all(flags):
+                raise NonFiniteModelError(
+                    f"workers {[worker for worker, ok in enumerate(flags) if not ok]} have non-finite models; "
+                    "refusing to exchange them"
+                )
         check_finite(local, rank)
         tag = ("segments", round_index)
         pulls = {}
