@@ -42,6 +42,34 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise TypeError(f"configure_optimizers must return an optimizer (or a form holding one); got {configured!r}")
 
 
+def _schedulers(configured: Any, optimizer: torch.optim.Optimizer) -> list[tuple[Any, str, int]]:
+    """The learning-rate schedulers of ``optimizer`` in ``configure_optimizers``'s result, as Lightning reads them:
+    ``(scheduler, interval, frequency)``, interval ``"step"`` or ``"epoch"`` (Lightning's default)."""
+    if isinstance(configured, dict):
+        entries = [configured["lr_scheduler"]] if configured.get("lr_scheduler") is not None else []
+    elif isinstance(configured, (list, tuple)) and len(configured) == 2 and isinstance(configured[1], (list, tuple)):
+        entries = list(configured[1])  # ([optimizers], [schedulers])
+    elif isinstance(configured, (list, tuple)) and configured and isinstance(configured[0], dict):
+        return _schedulers(configured[0], optimizer)
+    else:
+        entries = []
+    schedulers = []
+    for entry in entries:
+        config = entry if isinstance(entry, dict) else {"scheduler": entry}
+        scheduler = config["scheduler"]
+        if getattr(scheduler, "optimizer", None) is not optimizer:
+            continue
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                "the simulator cannot run ReduceLROnPlateau: it steps on a monitored metric that workers do not log"
+            )
+        interval = config.get("interval", "epoch")
+        if interval not in ("step", "epoch"):
+            raise ValueError(f"a learning-rate scheduler's interval must be 'step' or 'epoch'; got {interval!r}")
+        schedulers.append((scheduler, interval, int(config.get("frequency", 1))))
+    return schedulers
+
+
 class _LogRecorder:
     """Stands in for ``LightningModule.log`` outside a Trainer: keeps what the module logs."""
 
@@ -77,7 +105,9 @@ class Replica:
         self.module = copy.deepcopy(template)
         self.module.train()
         self.module.log = _LogRecorder()  # training_step's self.log calls are not needed here
-        self.optimizer = _first_optimizer(self.module.configure_optimizers())
+        configured = self.module.configure_optimizers()
+        self.optimizer = _first_optimizer(configured)
+        self.schedulers = _schedulers(configured, self.optimizer)
         self.vector = ModelVector(self.module)
         # What DDP all-reduces: the gradients of the parameters that require them.
         self._trainable = [parameter for parameter in self.vector.parameters if parameter.requires_grad]
@@ -104,6 +134,7 @@ class Replica:
             except StopIteration:
                 self._batches = None
                 self.epoch += 1
+                self._step_schedulers("epoch", self.epoch)
 
     def step(self, batch: Any) -> float:
         """One optimizer step on ``batch``; returns the training loss."""
@@ -129,6 +160,13 @@ class Replica:
                     parameter.grad = chunk.view_as(parameter).clone()
         self.optimizer.step()
         self.steps += 1
+        self._step_schedulers("step", self.steps)
+
+    def _step_schedulers(self, interval: str, count: int) -> None:
+        """Step the schedulers of ``interval`` after the ``count``-th step or epoch, every ``frequency`` (Lightning's rule)."""
+        for scheduler, scheduler_interval, frequency in self.schedulers:
+            if scheduler_interval == interval and count % frequency == 0:
+                scheduler.step()
 
     def gradient(self) -> Tensor:
         """The trainable parameters' ``.grad`` as one flat vector in :class:`ModelVector`'s parameter order;
