@@ -3,9 +3,12 @@
     lightning-dist fit --config configs/dynamic_avg.yaml
     lightning-dist simulate --config configs/sim/segmented_gossip.yaml   (lightning_dist.sim)
 
-Any LightningModule / LightningDataModule can be named with ``class_path``. When the data
-module exposes ``num_features`` and ``num_classes`` (the embedded ones do), they are passed
-to the model's arguments of the same names.
+Any LightningModule / LightningDataModule can be named with ``class_path``. Sizes the data
+module knows are passed to the model's arguments of the same names: ``num_features`` and
+``num_classes`` (MNIST-1D, digits -> MLPClassifier), ``vocab_size`` and ``block_size`` (the
+standard-library text -> TransformerLM). A link whose source the data module lacks, or whose target
+the model does not take, is skipped (jsonargparse's rule for subclass-typed ``apply_on="instantiate"``
+links), so any pairing of a model and a data module works.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import lightning_dist  # noqa: F401  (registers "dynamic_avg", "periodic_avg", "
 
 class DistCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
-        for name in ("num_features", "num_classes"):
+        for name in ("num_features", "num_classes", "vocab_size", "block_size"):
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
 
 

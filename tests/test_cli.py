@@ -76,3 +76,105 @@ def test_outer_optimizer_parses_inside_the_strategy_from_yaml(tmp_path, strategy
     optimizer = cli.trainer.strategy.outer_optimizer([torch.zeros(3)])
     assert isinstance(optimizer, torch.optim.SGD)
     assert (optimizer.defaults["lr"], optimizer.defaults["momentum"], optimizer.defaults["nesterov"]) == (0.7, 0.9, True)
+
+
+# --------------------------------------------------------------- the language-model configs (configs/lm)
+
+LM_CONFIGS = ("ddp", "periodic_avg", "fedavg", "dynamic_avg", "segmented_gossip", "downpour_sgd", "diloco")
+
+
+def parse(*args: str):
+    """The Trainer, model and data module ``lightning-dist fit`` would build from ``args`` (no fit)."""
+    from lightning_dist.cli import DistCLI
+
+    return DistCLI(subclass_mode_model=True, subclass_mode_data=True, run=False, args=list(args))
+
+
+def test_every_lm_config_is_tested():
+    assert sorted(path.stem for path in (REPO / "configs" / "lm").glob("*.yaml")) == sorted(LM_CONFIGS)
+
+
+@pytest.mark.parametrize("config", LM_CONFIGS)
+def test_lm_config_builds_the_workload(config):
+    import torch
+    import yaml
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_dist
+    from lightning_dist.data import StdlibTextDataModule
+    from lightning_dist.models import TransformerLM
+
+    path = REPO / "configs" / "lm" / f"{config}.yaml"
+    assert path.read_text().splitlines()[0] == f"# lightning-dist fit --config configs/lm/{config}.yaml"
+    cli = parse("--config", str(path))
+    model, datamodule, trainer = cli.model, cli.datamodule, cli.trainer
+    assert isinstance(model, TransformerLM) and isinstance(datamodule, StdlibTextDataModule)
+    # vocab_size and block_size reach the model from the data module (the configs do not set them on the model)
+    assert not {"vocab_size", "block_size"} & set(yaml.safe_load(path.read_text())["model"]["init_args"])
+    assert (model.hparams.vocab_size, model.hparams.block_size) == (256, datamodule.block_size) == (256, 128)
+    assert model.num_parameters == 1_298_880
+    assert (datamodule.partition, trainer.max_steps) == ("contiguous", 300)
+    assert trainer.num_devices == (4 if config == "fedavg" else 2)
+    strategy = trainer.strategy
+    expected = {
+        "ddp": DDPStrategy, "periodic_avg": lightning_dist.PeriodicAveragingStrategy,
+        "fedavg": lightning_dist.PeriodicAveragingStrategy, "dynamic_avg": lightning_dist.DynamicAveragingStrategy,
+        "segmented_gossip": lightning_dist.SegmentedGossipStrategy, "downpour_sgd": lightning_dist.DownpourSGDStrategy,
+        "diloco": lightning_dist.PeriodicAveragingStrategy,
+    }[config]
+    assert type(strategy) is expected
+    if config == "diloco":  # DiLoCo's outer step: SGD, Nesterov momentum 0.9, lr 0.7, every 50 steps
+        assert strategy.period == 50
+        outer = strategy.outer_optimizer([torch.zeros(1, requires_grad=True)])
+        assert isinstance(outer, torch.optim.SGD)
+        assert {key: outer.defaults[key] for key in ("lr", "momentum", "nesterov")} == dict(
+            lr=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    # The MLP family: num_features / num_classes from the data module (digits: 64 features; the model's default is 40).
+    (("--config", "configs/periodic_avg.yaml", "--data", "lightning_dist.data.DigitsDataModule"),
+     {"num_features": 64, "num_classes": 10}),
+    # The language model: vocab_size / block_size from the data module.
+    (("--config", "configs/lm/ddp.yaml", "--data.init_args.block_size=64"), {"vocab_size": 256, "block_size": 64}),
+    # Mixed pairs: each link whose source or target is missing is skipped, the model keeps its defaults.
+    (("--config", "configs/lm/ddp.yaml", "--data", "lightning_dist.data.DigitsDataModule"),
+     {"vocab_size": 256, "block_size": 128}),
+    (("--config", "configs/periodic_avg.yaml", "--data", "lightning_dist.data.StdlibTextDataModule"),
+     {"num_features": 40, "num_classes": 10}),
+    # A user's module and data module with none of the four names.
+    (("--config", "configs/lm/ddp.yaml", "--model", "helpers.user_models.DigitsCNN",
+      "--data", "helpers.user_models.DigitsImages"), {"lr": 0.01}),
+])
+def test_data_sizes_are_linked_to_the_model_when_both_sides_have_them(args, expected, monkeypatch):
+    monkeypatch.chdir(REPO)  # the configs' paths are relative to the repository
+    model = parse(*args).model
+    assert {key: model.hparams[key] for key in expected} == expected
+
+
+def test_lm_configs_fit_on_two_processes(tmp_path):
+    """configs/lm/ddp.yaml and dynamic_avg.yaml, 20 steps each, one torchrun launch: every rank ends with the same
+    weights, validation ran on the linked model and fell far below the untrained ln(256), the ranks read
+    disjoint contiguous halves of the training windows."""
+    import math
+
+    import torch
+
+    from helpers.launch import load_results, run_ranks
+
+    configs = [str(REPO / "configs" / "lm" / f"{name}.yaml") for name in ("ddp", "dynamic_avg")]
+    overrides = ["--trainer.max_steps=20", "--trainer.val_check_interval=20", "--trainer.num_sanity_val_steps=0",
+                 "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+                 "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    run_ranks(2, "lm_fit", {"configs": configs, "overrides": overrides}, tmp_path, timeout=240)
+    ranks = load_results(tmp_path, 2)
+    for name in ("ddp", "dynamic_avg"):
+        first, second = ranks[0][name], ranks[1][name]
+        assert first["global_step"] == second["global_step"] == 20
+        assert torch.equal(first["vector"], second["vector"]) and bool(torch.isfinite(first["vector"]).all())
+        assert first["num_parameters"] == 1_298_880 and first["hparams"]["block_size"] == 128
+        assert first["metrics"]["val_loss"] == second["metrics"]["val_loss"] < 4.0 < math.log(256)
+        assert first["metrics"]["val_bpc"] == pytest.approx(first["metrics"]["val_loss"] / math.log(2))
+        windows = first["corpus"]["train_windows"]
+        assert torch.equal(torch.cat([first["part"], second["part"]]), torch.arange(windows))
+    assert ranks[0]["dynamic_avg"]["comm"].bytes_sent > 0
