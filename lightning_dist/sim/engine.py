@@ -76,6 +76,11 @@ class SpeedModel:
             ``step_seconds * [1 - jitter, 1 + jitter]`` with a per-node seeded generator; in [0, 1).
         seed: seeds the jitter.
 
+    Kinds of ``execute``: ``"step"`` (a training step: forward, backward and the optimizer's
+    update), ``"aggregate"`` (a server's or coordinator's averaging) and ``"update"`` (the optimizer's
+    update run apart from the rest of its step, as DDP applies the all-reduced gradient): it is part
+    of ``step_seconds`` when that is modelled (zero virtual seconds of its own), else its measured time.
+
     A run is deterministic when ``step_seconds`` and ``aggregate_seconds`` are both set.
     """
 
@@ -102,12 +107,14 @@ class SpeedModel:
         return self.step_seconds is not None and self.aggregate_seconds is not None
 
     def modelled(self, kind: str) -> bool:
-        """Whether ``execute`` of ``kind`` ("step" or "aggregate") takes a modelled time, known before it runs."""
-        return (self.step_seconds if kind == "step" else self.aggregate_seconds) is not None
+        """Whether ``execute`` of ``kind`` ("step", "aggregate", "update") takes a modelled time, known first."""
+        return (self.aggregate_seconds if kind == "aggregate" else self.step_seconds) is not None
 
     def duration(self, node: int, kind: str, measured: float) -> float:
-        """Virtual seconds of one ``execute`` of ``kind`` ("step" or "aggregate") that took ``measured``."""
-        modelled = self.step_seconds if kind == "step" else self.aggregate_seconds
+        """Virtual seconds of one ``execute`` of ``kind`` ("step", "aggregate", "update") that took ``measured``."""
+        modelled = self.aggregate_seconds if kind == "aggregate" else self.step_seconds
+        if kind == "update" and modelled is not None:
+            return 0.0
         seconds = measured if modelled is None else modelled
         if kind == "step" and modelled is not None and self.jitter:
             generator = self._generators.setdefault(node, np.random.default_rng([self.seed, node]))

@@ -88,6 +88,13 @@ def test_jitter_is_seeded_per_node_and_bounded():
     assert all(0.5 <= value <= 1.5 for value in sequence) and len(set(sequence)) > 1
 
 
+def test_an_update_is_inside_a_modelled_step_and_takes_its_own_time_when_measured():
+    """DDP's optimizer update after the all-reduce: a modelled step_seconds already holds it."""
+    assert SpeedModel(step_seconds=0.2, aggregate_seconds=0.1).duration(3, "update", 0.05) == 0.0
+    assert SpeedModel(aggregate_seconds=0.1, slowdown={3: 2.0}).duration(3, "update", 0.05) == 0.1
+    assert SpeedModel(step_seconds=0.2).modelled("update") and not SpeedModel(aggregate_seconds=0.1).modelled("update")
+
+
 @pytest.mark.parametrize(
     ("arguments", "name"),
     [({"step_seconds": -1.0}, "step_seconds"), ({"aggregate_seconds": float("inf")}, "aggregate_seconds"),

@@ -7,10 +7,11 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Optional
 
 import simpy
+import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.averaging import weighted_average
-from lightning_dist.sim.replica import check_finite
+from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 if TYPE_CHECKING:
     from lightning_dist.sim.engine import Node
@@ -33,9 +34,12 @@ def check_topology(value: object) -> str:
 def checked_mean(models: list[Tensor]) -> Tensor:
     """The mean of the workers' models (in worker order), refusing a non-finite one by its worker: what an
     all-reduce of every worker's model gives."""
-    for worker, model in enumerate(models):
-        check_finite(model, worker)
-    return weighted_average(models)
+    mean = weighted_average(models)
+    if not bool(torch.isfinite(mean).all()):  # a non-finite model makes the mean non-finite: find whose
+        for worker, model in enumerate(models):
+            check_finite(model, worker)
+        raise NonFiniteModelError("the mean of the workers' finite models overflowed")
+    return mean
 
 
 class Protocol(ABC):

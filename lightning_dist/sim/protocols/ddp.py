@@ -13,8 +13,8 @@ ring all-reduce of the trainable parameters' gradients, ``M`` bytes in their dty
 The all-reduce starts when the whole backward has ended: **no overlap**, an upper bound on DDP's
 step time (overlap can hide at most the backward's share of the step's compute behind the
 all-reduce). The gradient moves as one all-reduce: DDP's buckets add ``2 (N - 1)`` latencies per
-extra bucket and move the same bytes. With measured durations the optimizer's update runs after
-the all-reduce without virtual time (it is a small part of a step).
+extra bucket and move the same bytes. The optimizer's update after the all-reduce is an
+``execute`` of kind ``"update"``: inside a modelled ``step_seconds``, its own time when measured.
 
 DDP also broadcasts rank 0's buffers before every forward (``broadcast_buffers``); a module with
 floating-point buffers (BatchNorm) is refused rather than simulated without that broadcast.
@@ -54,15 +54,18 @@ class DataParallel(Protocol):
         started = node.now
         gradient = replica.gradient()
         mean = yield from node.all_reduce(("gradient", replica.steps), self.members, gradient, self._mean)
-        replica.apply_gradient(mean)
-        self.simulation.record_wait(rank, replica.steps, started)
+        self.simulation.record_wait(rank, replica.steps + 1, started)
+        yield from node.execute(replica.apply_gradient, mean, kind="update")
         return loss
 
     def _mean(self, gradients: list[Tensor]) -> Tensor:
-        for rank, gradient in enumerate(gradients):
-            if not bool(torch.isfinite(gradient).all()):
-                raise NonFiniteModelError(f"worker {rank} has a non-finite gradient; refusing to all-reduce it")
-        return weighted_average(gradients)
+        mean = weighted_average(gradients)
+        if not bool(torch.isfinite(mean).all()):  # a non-finite gradient makes the mean non-finite: find whose
+            for rank, gradient in enumerate(gradients):
+                if not bool(torch.isfinite(gradient).all()):
+                    raise NonFiniteModelError(f"worker {rank} has a non-finite gradient; refusing to all-reduce it")
+            raise NonFiniteModelError("the mean of the workers' finite gradients overflowed")
+        return mean
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         yield from ()
