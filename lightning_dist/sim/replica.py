@@ -153,11 +153,12 @@ class Replica:
 
     def apply_gradient(self, gradient: Optional[Tensor] = None) -> None:
         """The second half of :meth:`step`: the optimizer's step with the gradient in ``.grad``, or with
-        ``gradient`` (a flat vector laid out as :meth:`gradient` returns it) put there first."""
+        ``gradient`` (the :meth:`gradients` flattened into one vector) put there first."""
         if gradient is not None:
             with torch.no_grad():
                 for parameter, chunk in zip(self._trainable, gradient.split(self._trainable_sizes)):
-                    parameter.grad = chunk.view_as(parameter).clone()
+                    # A copy per replica: an optimizer may change its .grad in place.
+                    parameter.grad = chunk.view_as(parameter).to(parameter.dtype, copy=True)
         self.optimizer.step()
         self.steps += 1
         self._step_schedulers("step", self.steps)
@@ -168,13 +169,11 @@ class Replica:
             if scheduler_interval == interval and count % frequency == 0:
                 scheduler.step()
 
-    def gradient(self) -> Tensor:
-        """The trainable parameters' ``.grad`` as one flat vector in :class:`ModelVector`'s parameter order;
-        zeros for a parameter the backward did not reach (what DDP all-reduces for it)."""
-        return torch.cat([
-            (parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)).reshape(-1)
-            for parameter in self._trainable
-        ])
+    def gradients(self) -> list[Tensor]:
+        """The trainable parameters' ``.grad`` (not copies), in :class:`ModelVector`'s parameter order; zeros for
+        a parameter the backward did not reach (what DDP all-reduces for it)."""
+        return [parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+                for parameter in self._trainable]
 
     def get(self) -> Tensor:
         return self.vector.get()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol
 from lightning_dist.sim.replica import NonFiniteModelError
@@ -52,20 +52,30 @@ class DataParallel(Protocol):
         replica = self.simulation.replicas[rank]
         loss = yield from node.execute(replica.compute_gradient, batch)
         started = node.now
-        gradient = replica.gradient()
-        mean = yield from node.all_reduce(("gradient", replica.steps), self.members, gradient, self._mean)
+        gradients = replica.gradients()
+        mean = yield from node.all_reduce(("gradient", replica.steps), self.members, gradients, self._mean)
         self.simulation.record_wait(rank, replica.steps + 1, started)
         yield from node.execute(replica.apply_gradient, mean, kind="update")
         return loss
 
-    def _mean(self, gradients: list[Tensor]) -> Tensor:
-        mean = weighted_average(gradients)
-        if not bool(torch.isfinite(mean).all()):  # a non-finite gradient makes the mean non-finite: find whose
-            for rank, gradient in enumerate(gradients):
-                if not bool(torch.isfinite(gradient).all()):
+    @staticmethod
+    def _mean(gradients: list[list[Tensor]]) -> Tensor:
+        """What the all-reduce gives every worker: the sum of the workers' gradients (each a list of parameter
+        gradients) over their number, as one flat vector, summed in at least float32 without a copy of each.
+        """
+        first = gradients[0]
+        total = torch.zeros(sum(part.numel() for part in first), dtype=accumulation_dtype(first[0].dtype))
+        chunks = total.split([part.numel() for part in first])
+        for worker in gradients:
+            for chunk, part in zip(chunks, worker):
+                chunk.add_(part.reshape(-1))
+        total /= len(gradients)
+        if not bool(torch.isfinite(total).all()):  # a non-finite gradient makes the mean non-finite: find whose
+            for rank, worker in enumerate(gradients):
+                if not all(bool(torch.isfinite(part).all()) for part in worker):
                     raise NonFiniteModelError(f"worker {rank} has a non-finite gradient; refusing to all-reduce it")
             raise NonFiniteModelError("the mean of the workers' finite gradients overflowed")
-        return mean
+        return total
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         yield from ()
