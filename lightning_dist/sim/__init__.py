@@ -3,7 +3,9 @@
 A discrete-event engine (simpy) owns virtual time; every worker trains a real copy of the
 LightningModule and its measured (or modelled) compute time advances its virtual clock; messages
 cross a modelled network (latency, serialized send and receive ports, per-node and per-link
-bandwidth caps). Protocols call the same ``lightning_dist.algorithms`` code as the strategies.
+bandwidth caps) and collectives take Gloo's ring time (``collectives.py``). Protocols call the same
+``lightning_dist.algorithms`` code as the strategies; ``topology="strategy"`` makes them move what
+the strategy moves, and the ``ddp`` protocol is Lightning's DDP (a gradient all-reduce every step).
 
     from lightning_dist.sim import NetworkModel, SegmentedGossip, Simulation, SpeedModel
     result = Simulation(model, datamodule, SegmentedGossip(segments=10, replicas=2, period=40), workers=20,
