@@ -16,8 +16,9 @@ so only the buckets completed before the backward's end overlap it. With the def
 bucket 1 MiB, then up to 25 MiB) a model of a few MB has two buckets, and the second starts when
 the backward ends: for the 1.29 M-parameter ``TransformerLM`` (5.2 MB of gradients) at most the
 first 1 MiB, a fifth of the bytes, can overlap. The gradient moves as one all-reduce: DDP's
-buckets add ``2 (N - 1)`` latencies per extra bucket and move the same bytes. The optimizer's update after the all-reduce is an
-``execute`` of kind ``"update"``: inside a modelled ``step_seconds``, its own time when measured.
+buckets add ``2 (N - 1)`` latencies per extra bucket and move the same bytes. The optimizer's
+update after the all-reduce is an ``execute`` of kind ``"update"``: inside a modelled
+``step_seconds``, its own time when measured.
 
 DDP also broadcasts rank 0's buffers before every forward (``broadcast_buffers``); a module with
 floating-point buffers (BatchNorm) is refused rather than simulated without that broadcast.

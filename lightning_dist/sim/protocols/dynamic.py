@@ -40,7 +40,8 @@ moves, with no coordinator node; every worker meets the others at every check:
   worker waits for it, members or not.
 - A full synchronisation forced by the violation counter is one ring all-reduce of all models;
   otherwise the members the rounds did not fetch send their models, and the coordinator sends the
-  mean to the members (the strategy's ``star_average``). Non-members go on after the last decision.
+  mean to the members and waits for those sends to finish (the strategy's ``star_average`` and
+  its blocking send). Non-members go on after the last decision.
 """
 
 from __future__ import annotations
@@ -219,9 +220,9 @@ class DynamicAveraging(Protocol):
             if rank == coordinator:
                 if full_sync and self.outer is not None:
                     mean = self.outer.step(mean)
-                for member in members:
-                    if member != coordinator:
-                        node.send(member, mean, tag=("mean", check))
+                # The strategy's send returns once its transfers are done: the coordinator waits for them.
+                yield node.simulator.env.all_of([node.send(member, mean, tag=("mean", check))
+                                                 for member in members if member != coordinator])
             else:
                 mean = (yield node.recv(source=coordinator, tag=("mean", check))).payload
         else:

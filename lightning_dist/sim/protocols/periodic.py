@@ -12,8 +12,8 @@ the others keep training. ``topology`` says which messages carry it:
   :func:`~lightning_dist.algorithms.averaging.accumulation_dtype` (float32 for a bf16 model: twice
   its bytes), :mod:`lightning_dist.sim.collectives`; no server node. With ``C < 1``, every worker
   first all-gathers a 1-byte finiteness flag (a meeting of all workers each round), then the
-  participants send their models to the lowest participant, which aggregates and sends the mean
-  to the others.
+  participants send their models to the lowest participant, which aggregates, sends the mean
+  to the others and waits for those sends to finish, as the strategy's blocking send does.
 
 Both give the same models; only the time and the bytes of a round differ.
 
@@ -137,9 +137,10 @@ class PeriodicAveraging(Protocol):
         for _ in participants[1:]:
             message = yield node.recv(tag=("model", round_index))
             models[message.source] = message.payload
-        mean = yield from node.execute(weighted_average, [models[member] for member in participants], kind="aggregate")
-        for member in participants[1:]:
-            node.send(member, mean, tag=("mean", round_index))
+        mean = yield from node.execute(weighted_average, [models[m] for m in participants], kind="aggregate")
+        # The strategy's send returns once its transfers are done: the coordinator waits for them.
+        yield node.simulator.env.all_of([node.send(member, mean, tag=("mean", round_index))
+                                         for member in participants[1:]])
         return mean
 
     def server(self, node: Node) -> Program:
