@@ -1,0 +1,284 @@
+"""The simulator's prediction of ``benchmarks/lm_network.py``'s table, and its extension past this machine.
+
+``lightning_dist.sim`` runs the same workload (the same ``TransformerLM``, ``StdlibTextDataModule``,
+AdamW, seed 0) with the same methods on virtual workers, on a modelled network with the measured
+run's caps: each node sends and receives at most ``node_mbit`` (times the TCP payload share of an
+Ethernet frame, 1448 / 1514) with ``--latency`` per message. Training is real; time is virtual. A
+step takes ``step_seconds`` of virtual time, the measured run's median step of a local-update method
+at the highest bandwidth (compute only: its steps without a synchronization). Every protocol moves
+what its strategy moves (DDP and periodic averaging a ring all-reduce, FedAvg a star through the
+lowest participant, DownpourSGD pushes and pulls to a server on rank 0; ``lightning_dist.sim.collectives``).
+
+Part 1, prediction: for every method and bandwidth of the measured JSON, the simulated seconds to
+the measured target loss, the final loss after the same budget of (virtual) seconds and the steps
+taken, next to the measured ones and their ratio (the goal: within 20%).
+
+Part 2, extension: the same methods at 16, 64 and 256 workers (``--scale-workers``) on the headline
+bandwidth, each worker with the same batch (weak scaling: the global batch grows with the workers),
+until the target loss or ``--scale-max-steps`` steps per worker.
+
+Outputs (``--out``, default ``benchmarks/results``): ``lm_sim.json`` and ``lm_sim.png`` (predicted
+against measured seconds to target; time to target against workers).
+
+Usage::
+
+    python benchmarks/lm_sim.py                    # both parts (reads benchmarks/results/lm_network.json)
+    python benchmarks/lm_sim.py --predict-only
+    python benchmarks/lm_sim.py --scale-only --scale-workers 16 64
+    python benchmarks/lm_sim.py --replot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_dist.algorithms.outer import diloco_outer_optimizer
+from lightning_dist.data import StdlibTextDataModule
+from lightning_dist.models import TransformerLM
+from lightning_dist.sim import NetworkModel, Simulation, SpeedModel
+from lightning_dist.sim.protocols import Protocol, make_protocol
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX = "lm_sim"
+PAYLOAD_SHARE = 1448 / 1514
+LATENCY_S = 0.0002
+SCALE_WORKERS = [16, 64, 256]
+SCALE_METHODS = ["ddp", "periodic_h50", "dynamic_hi", "diloco"]
+SCALE_MAX_STEPS = 150
+EVALUATIONS = 16  # evaluations over a run's budget, as the measured run's parameter copies
+
+
+def protocol_of(method: dict[str, Any]) -> Protocol:
+    """The simulator's protocol for one of ``lm_network.methods``: the strategy's arguments, its communication."""
+    if method["kind"] == "ddp":
+        return make_protocol("ddp")
+    kwargs = dict(method["strategy"]["kwargs"])
+    cls = method["strategy"]["class"]
+    if method.get("outer"):
+        if method["outer"] != {"lr": 0.7, "momentum": 0.9, "nesterov": True}:
+            raise ValueError(f"{method['name']}: only DiLoCo's outer optimizer is mapped; got {method['outer']}")
+        kwargs["outer_optimizer"] = diloco_outer_optimizer
+    if cls == "PeriodicAveragingStrategy":
+        name = "fedavg" if kwargs.get("client_fraction", 1.0) < 1 else "periodic"
+        return make_protocol(name, topology="strategy", **kwargs)
+    if cls == "DynamicAveragingStrategy":
+        return make_protocol("dynamic_avg", topology="strategy", **kwargs)
+    if cls == "SegmentedGossipStrategy":
+        return make_protocol("segmented_gossip", topology="strategy", **kwargs)
+    if cls == "DownpourSGDStrategy":
+        return make_protocol("parameter_server", topology="strategy", **kwargs)
+    raise ValueError(f"{method['name']}: no simulator protocol for {cls}")
+
+
+def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_mbit: float, step_s: float,
+             max_virtual_s: float | None, max_steps: int, target: float | None) -> dict[str, Any]:
+    """One simulated run; stops at ``max_virtual_s``, ``max_steps`` or two evaluations after ``target``."""
+    torch.manual_seed(0)
+    datamodule = StdlibTextDataModule(seed=0, **config["data"])
+    model = TransformerLM(**config["model"])
+
+    def reached(rows: list[dict[str, float]]) -> bool:
+        hits = [row for row in rows if row.get("val_loss", math.inf) <= target]
+        return target is not None and len(hits) >= 2
+
+    simulation = Simulation(
+        model, datamodule, protocol_of(method), workers=workers, max_steps=max_steps,
+        network=NetworkModel(latency=LATENCY_S, node_mbit=node_mbit * PAYLOAD_SHARE, half_duplex_links=True),
+        speed=SpeedModel(step_seconds=step_s, aggregate_seconds=0.0), max_virtual_seconds=max_virtual_s,
+        eval_every=max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0)
+    started = time.perf_counter()
+    result = simulation.run()
+    rows = [{"time": row["time"], "mean_steps": row["mean_steps"], "val_loss": row["val_loss"], "bytes": row["bytes"]}
+            for row in result.rows]
+    hit = next((row for row in rows if target is not None and row["val_loss"] <= target), None)
+    return {"name": method["name"], "workers": workers, "node_mbit": node_mbit, "step_s": step_s,
+            "rows": rows, "time_to_target_s": hit["time"] if hit else None,
+            "steps_to_target": hit["mean_steps"] if hit else None,
+            "final_val_loss": rows[-1]["val_loss"], "steps": rows[-1]["mean_steps"], "virtual_s": rows[-1]["time"],
+            "protocol_bytes": result.summary["bytes"], "wall_s": time.perf_counter() - started}
+
+
+def measured_step_s(measured: dict[str, Any]) -> float:
+    """The median training step of the local-update runs at the highest bandwidth: compute, no synchronization."""
+    runs = [run for launch in measured["launches"] if "runs" in launch for run in launch["runs"]]
+    top = max(run["node_mbit"] for run in runs)
+    durations = [d for run in runs if run["node_mbit"] == top and run["kind"] in ("periodic", "dynamic")
+                 for rank in run["step_s_per_rank"] for d in rank[5:]]
+    return statistics.median(durations)
+
+
+def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float) -> list[dict[str, Any]]:
+    config, summary = measured["config"], measured["summary"]
+    methods = {method["name"]: method for method in config["methods"]}
+    budget, target = config["budget_s"], summary["target_val_loss"]
+    cells = []
+    for row in summary["rows"]:
+        if args.methods and row["name"] not in args.methods:
+            continue
+        max_steps = math.ceil(budget / step_s) + 1
+        predicted = simulate(config, methods[row["name"]], config["ranks"], row["node_mbit"], step_s, budget,
+                             max_steps, None)
+        hit = next((r for r in predicted["rows"] if r["val_loss"] <= target), None)
+        predicted.update(time_to_target_s=hit["time"] if hit else None, steps_to_target=hit["mean_steps"] if hit else None)
+        cell = {"name": row["name"], "node_mbit": row["node_mbit"], "predicted": predicted,
+                "measured": {key: row[key] for key in ("time_to_target_s", "final_val_loss", "steps", "reached",
+                                                       "protocol_bytes", "projected_time_to_target_s") if key in row}}
+        cell["time_ratio"] = ratio(predicted["time_to_target_s"], row["time_to_target_s"])
+        cell["steps_ratio"] = ratio(predicted["steps"], row["steps"])
+        cell["loss_ratio"] = ratio(predicted["final_val_loss"], row["final_val_loss"])
+        cells.append(cell)
+        print(f"  {row['node_mbit']:>6g} Mbit/s {row['name']:<17} predicted {fmt(predicted['time_to_target_s'])} s to target, "
+              f"{predicted['steps']:.0f} steps, loss {predicted['final_val_loss']:.3f}; measured "
+              f"{fmt(row['time_to_target_s'])} s, {row['steps']:.0f} steps, loss {row['final_val_loss']:.3f} "
+              f"({predicted['wall_s']:.0f} s)", flush=True)
+    return cells
+
+
+def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float) -> list[dict[str, Any]]:
+    config, target = measured["config"], measured["summary"]["target_val_loss"]
+    methods = {method["name"]: method for method in config["methods"]}
+    runs = []
+    for workers in args.scale_workers:
+        for name in args.scale_methods:
+            run = simulate(config, methods[name], workers, args.scale_mbit, step_s, None, args.scale_max_steps, target)
+            runs.append(run)
+            print(f"  {workers:>4} workers {name:<17} {fmt(run['time_to_target_s'])} s to target "
+                  f"({fmt(run['steps_to_target'])} steps), loss {run['final_val_loss']:.3f} after {run['steps']:.0f} steps, "
+                  f"{run['virtual_s']:.1f} virtual s ({run['wall_s']:.0f} s wall)", flush=True)
+    return runs
+
+
+def ratio(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured if predicted and measured else None
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def prediction_table(cells: list[dict[str, Any]]) -> str:
+    lines = ["| Mbit/s | method | s to target: measured | predicted | ratio | final loss: measured | predicted "
+             "| steps: measured | predicted |", "|" + "---|" * 9]
+    for cell in cells:
+        m, p = cell["measured"], cell["predicted"]
+        lines.append(f"| {cell['node_mbit']:g} | {cell['name']} | {fmt(m['time_to_target_s'])} | {fmt(p['time_to_target_s'])} "
+                     f"| {fmt(cell['time_ratio'], 2)} | {m['final_val_loss']:.3f} | {p['final_val_loss']:.3f} "
+                     f"| {m['steps']:.0f} | {p['steps']:.0f} |")
+    within = [abs(c["time_ratio"] - 1) <= 0.2 for c in cells if c["time_ratio"] is not None]
+    lines.append(f"\n{sum(within)} of {len(within)} cells where both reached the target are within 20% in time to target.")
+    return "\n".join(lines)
+
+
+def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
+    lines = [f"| workers | method | s to target at {mbit:g} Mbit/s | steps to target | final loss | steps run |",
+             "|" + "---|" * 6]
+    for run in runs:
+        lines.append(f"| {run['workers']} | {run['name']} | {fmt(run['time_to_target_s'])} | {fmt(run['steps_to_target'], 0)} "
+                     f"| {run['final_val_loss']:.3f} | {run['steps']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    cells = [c for c in report.get("prediction", []) if c["time_ratio"] is not None]
+    bandwidths = sorted({c["node_mbit"] for c in cells}, reverse=True)
+    markers = dict(zip(bandwidths, "osD^v"))
+    for cell in cells:
+        left.scatter(cell["measured"]["time_to_target_s"], cell["predicted"]["time_to_target_s"],
+                     marker=markers[cell["node_mbit"]], label=f"{cell['node_mbit']:g} Mbit/s")
+        left.annotate(cell["name"], (cell["measured"]["time_to_target_s"], cell["predicted"]["time_to_target_s"]),
+                      fontsize=6)
+    if cells:
+        values = [c["measured"]["time_to_target_s"] for c in cells] + [c["predicted"]["time_to_target_s"] for c in cells]
+        low, high = min(values) * 0.8, max(values) * 1.25
+        left.plot([low, high], [low, high], color="black", linewidth=1)
+        left.fill_between([low, high], [low * 0.8, high * 0.8], [low * 1.2, high * 1.2], color="grey", alpha=0.2)
+        left.set_xscale("log")
+        left.set_yscale("log")
+    handles, labels = left.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    left.legend(unique.values(), unique.keys(), fontsize=8)
+    left.set_xlabel("measured seconds to target")
+    left.set_ylabel("simulated seconds to target")
+    left.set_title("prediction vs measurement, 4 ranks (band: within 20%)", fontsize=10)
+    left.grid(True, which="both", alpha=0.3)
+    runs = report.get("scale", [])
+    for name in dict.fromkeys(run["name"] for run in runs):
+        points = [(run["workers"], run["time_to_target_s"]) for run in runs if run["name"] == name and run["time_to_target_s"]]
+        if points:
+            right.plot(*zip(*points), marker="o", label=name)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("workers")
+    right.set_ylabel("simulated seconds to target")
+    right.set_title(f"extension at {report['config'].get('scale_mbit', 0):g} Mbit/s per node (weak scaling)", fontsize=10)
+    right.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measured", type=Path, default=REPO / "benchmarks" / "results" / "lm_network.json")
+    parser.add_argument("--predict-only", action="store_true")
+    parser.add_argument("--scale-only", action="store_true")
+    parser.add_argument("--replot", action="store_true")
+    parser.add_argument("--methods", nargs="+", default=None, help="methods of part 1 (default: every measured one)")
+    parser.add_argument("--scale-workers", type=int, nargs="+", default=SCALE_WORKERS)
+    parser.add_argument("--scale-methods", nargs="+", default=SCALE_METHODS)
+    parser.add_argument("--scale-mbit", type=float, default=None, help="bandwidth of part 2 (default: the headline)")
+    parser.add_argument("--scale-max-steps", type=int, default=SCALE_MAX_STEPS)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    json_path = args.out / f"{PREFIX}.json"
+    if args.replot:
+        report = json.loads(json_path.read_text())
+    else:
+        torch.set_num_threads(1)
+        measured = json.loads(args.measured.read_text())
+        args.scale_mbit = args.scale_mbit or measured["config"]["headline_mbit"]
+        step_s = measured_step_s(measured)
+        report = json.loads(json_path.read_text()) if json_path.exists() and (args.predict_only or args.scale_only) else {}
+        report["config"] = {"measured": str(args.measured.relative_to(REPO) if args.measured.is_relative_to(REPO) else args.measured),
+                            "step_s": step_s, "latency_s": LATENCY_S, "payload_share": PAYLOAD_SHARE,
+                            "target_val_loss": measured["summary"]["target_val_loss"], "scale_mbit": args.scale_mbit,
+                            "scale_max_steps": args.scale_max_steps, "python": platform.python_version(),
+                            "command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
+                            "date": time.strftime("%Y-%m-%d")}
+        print(f"step {step_s:.4f} s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
+        if not args.scale_only:
+            print("part 1: prediction of the measured table")
+            report["prediction"] = predict(args, measured, step_s)
+        if not args.predict_only:
+            print(f"part 2: {args.scale_workers} workers at {args.scale_mbit:g} Mbit/s")
+            report["scale"] = scale(args, measured, step_s)
+        args.out.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=1))
+    if report.get("prediction"):
+        print(prediction_table(report["prediction"]))
+    if report.get("scale"):
+        print(scale_table(report["scale"], report["config"]["scale_mbit"]))
+    plot(report, args.out / f"{PREFIX}.png")
+    print(f"wrote {json_path} and {args.out / f'{PREFIX}.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
