@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Optional, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
@@ -25,3 +28,11 @@ def check_positive_float(name: str, value: object) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0; got {value}")
     return float(value)
+
+
+def require_setup(owner: object, dataset: Optional[T]) -> T:
+    """``dataset``, or the error a datamodule raises when a loader is asked for before ``setup``."""
+    if dataset is None:
+        raise RuntimeError(f"{type(owner).__name__}.setup() must run before its dataloaders are requested")
+    return dataset
+

@@ -28,20 +28,12 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_dist.data._checks import check_int, check_positive_float
+from lightning_dist.data._checks import check_int, check_positive_float, require_setup
 from lightning_dist.data.cdgrab_sampler import ORDERS, CDGraBSampler
 from lightning_dist.data.partition import PARTITIONS
-from lightning_dist.data.sampler import PartitionSampler
-
-RESHUFFLED = "reshuffled"
-"""``partition`` value for no fixed split: every epoch the whole training set is shuffled anew and
-dealt out to the ranks (what Lightning's own ``DistributedSampler`` does under DDP). Over the epochs
-every rank sees every example, so each rank's examples are a fresh iid draw from the whole set, the
-streaming setting of paper 004 (Kamp et al., section 2: each learner observes samples drawn iid from
-one distribution). With a fixed part a local model can fit its own few examples and stop moving
-while the average of such models is not fitted to the whole set."""
+from lightning_dist.data.sampler import RESHUFFLED, rank_sampler
 
 TRAIN_SPLITS = (*PARTITIONS, RESHUFFLED)
 """Accepted ``partition`` values: the fixed partitions, and ``reshuffled``."""
@@ -155,42 +147,24 @@ class ArrayDataModule(L.LightningDataModule, ABC):
     def train_loader(self, num_replicas: int, rank: int) -> DataLoader:
         """The train loader of rank ``rank`` of ``num_replicas`` (``train_dataloader`` asks the Trainer;
         the simulator asks for each of its virtual workers)."""
-        train_set = self._require_setup(self.train_set)
+        train_set = require_setup(self, self.train_set)
         sampler: Sampler
         if self.example_order is not None:
             sampler = CDGraBSampler(
                 train_set, self.batch_size, num_replicas, rank, order=self.example_order, seed=self.seed
             )
-        elif self.partition == RESHUFFLED:
-            # drop_last: every rank takes the same number of steps (see PartitionSampler).
-            sampler = DistributedSampler(
-                train_set, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=True
-            )
         else:
-            sampler = PartitionSampler(
-                train_set,
-                train_set.labels.numpy(),
-                num_replicas,
-                rank,
-                partition=self.partition,
-                dirichlet_alpha=self.dirichlet_alpha,
-                seed=self.seed,
-                shuffle=True,
+            sampler = rank_sampler(
+                train_set, train_set.labels.numpy(), num_replicas, rank, self.partition, self.seed, self.dirichlet_alpha
             )
         return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._require_setup(self.val_set), batch_size=self.batch_size, num_workers=0)
+        return DataLoader(require_setup(self, self.val_set), batch_size=self.batch_size, num_workers=0)
 
     def test_dataloader(self) -> DataLoader:
         """The validation split again: these datasets are too small to hold out a third split."""
         return self.val_dataloader()
-
-    def _require_setup(self, dataset: Optional[PermutableLabelDataset]) -> PermutableLabelDataset:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested")
-        return dataset
-
 
 def _to_dataset(features: np.ndarray, labels: np.ndarray) -> PermutableLabelDataset:
     return PermutableLabelDataset(

@@ -19,6 +19,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_dist.data._checks import check_int
 from lightning_dist.data.partition import make_partition
 
+RESHUFFLED = "reshuffled"
+"""``partition`` value for no fixed split: every epoch the whole training set is shuffled anew and
+dealt out to the ranks (what Lightning's own ``DistributedSampler`` does under DDP). Over the epochs
+every rank sees every example, so each rank's examples are a fresh iid draw from the whole set, the
+streaming setting of paper 004 (Kamp et al., section 2: each learner observes samples drawn iid from
+one distribution). With a fixed part a local model can fit its own few examples and stop moving
+while the average of such models is not fitted to the whole set."""
+
 
 class PartitionSampler(DistributedSampler):
     """Yield the indices of this rank's part of ``make_partition(partition, labels, num_replicas, ...)``.
@@ -113,3 +121,24 @@ def part_size(loader: Any) -> Optional[int]:
         return len(sampler)
     except TypeError:
         return None
+
+
+def rank_sampler(
+    dataset: Sized,
+    labels: ArrayLike,
+    num_replicas: int,
+    rank: int,
+    partition: str,
+    seed: int,
+    dirichlet_alpha: float = 0.5,
+) -> DistributedSampler:
+    """The training sampler of rank ``rank``: a fresh split every epoch for :data:`RESHUFFLED`, else its
+    part of ``partition`` (:class:`PartitionSampler`). Both give every rank the same number of examples."""
+    if partition == RESHUFFLED:
+        # drop_last: every rank takes the same number of steps (see PartitionSampler).
+        return DistributedSampler(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+    return PartitionSampler(
+        dataset, labels, num_replicas, rank, partition=partition, dirichlet_alpha=dirichlet_alpha, seed=seed, shuffle=True
+    )

@@ -19,11 +19,10 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset
 
-from lightning_dist.data._checks import check_int
-from lightning_dist.data.datamodules import RESHUFFLED
-from lightning_dist.data.sampler import PartitionSampler
+from lightning_dist.data._checks import check_int, require_setup
+from lightning_dist.data.sampler import RESHUFFLED, rank_sampler
 
 TEXT_SPLITS = ("contiguous", "iid", RESHUFFLED)
 """Accepted ``partition`` values of :class:`StdlibTextDataModule` (windows have no labels to sort or skew by)."""
@@ -194,28 +193,14 @@ class StdlibTextDataModule(L.LightningDataModule):
     def train_loader(self, num_replicas: int, rank: int) -> DataLoader:
         """The train loader of rank ``rank`` of ``num_replicas`` (``train_dataloader`` asks the Trainer;
         the simulator asks for each of its virtual workers)."""
-        train_set = self._require_setup(self.train_set)
-        sampler: Sampler
-        if self.partition == RESHUFFLED:
-            # drop_last: every rank takes the same number of steps (see PartitionSampler).
-            sampler = DistributedSampler(
-                train_set, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=True
-            )
-        else:
-            # The window indices stand in for labels: contiguous and iid read only how many there are.
-            sampler = PartitionSampler(
-                train_set, np.arange(len(train_set)), num_replicas, rank, partition=self.partition, seed=self.seed
-            )
+        train_set = require_setup(self, self.train_set)
+        # The window indices stand in for labels: contiguous and iid read only how many there are.
+        sampler = rank_sampler(train_set, np.arange(len(train_set)), num_replicas, rank, self.partition, self.seed)
         return DataLoader(train_set, batch_size=self.batch_size, sampler=sampler, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._require_setup(self.val_set), batch_size=self.batch_size, num_workers=0)
+        return DataLoader(require_setup(self, self.val_set), batch_size=self.batch_size, num_workers=0)
 
     def test_dataloader(self) -> DataLoader:
         """The validation split again: a third split would take more files from training."""
         return self.val_dataloader()
-
-    def _require_setup(self, dataset: Optional[TextWindows]) -> TextWindows:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested")
-        return dataset
