@@ -216,6 +216,24 @@ def time_protocol(strategy: lightning_dist.LocalUpdateStrategy, period: int, cap
     return durations, bounds
 
 
+def per_rank_step_s(gathered: list[dict[str, Any]]) -> list[list[float]]:
+    """Every rank's training-step durations, from its ``start`` and its ``step_ends``."""
+    durations = []
+    for part in gathered:
+        ends = [part["start"]] + part["step_ends"]
+        durations.append([b - a for a, b in zip(ends[:-1], ends[1:])])
+    return durations
+
+
+def comm_result(strategy: Any, stats: Any) -> dict[str, Any]:
+    """The strategy's summed counters for a run's result (nothing for Lightning's DDP, which has none)."""
+    if stats is None:
+        return {}
+    return dict(protocol_bytes=stats.protocol_bytes, bytes_sent=stats.bytes_sent,
+                bytes_by_purpose=dict(stats.bytes_by_purpose), syncs=stats.syncs,
+                protocol_metrics=strategy.protocol_metrics())
+
+
 def accuracy_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
     datamodule, model = build(spec)
     seed = int(spec["seed"])
@@ -263,10 +281,7 @@ def accuracy_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | 
             accuracy = float((model(features).argmax(dim=1) == labels).float().mean())
             seconds = max(part["times"][index] for part in gathered) - start
             curve.append({"step": step, "seconds": seconds, "val_acc": accuracy})
-    step_durations = []
-    for part in gathered:
-        ends = [part["start"]] + part["step_ends"]
-        step_durations.append([b - a for a, b in zip(ends[:-1], ends[1:])])
+    step_durations = per_rank_step_s(gathered)
     round_s = [[duration for _, duration in part["rounds"]] for part in gathered]
     result = {
         "name": run["name"], "kind": run["kind"], "strategy": run.get("strategy"), "world_size": world,
@@ -279,10 +294,7 @@ def accuracy_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | 
         "round_bounds": bounds, "curve": curve,
         "final_val_acc": curve[-1]["val_acc"],
     }
-    if stats is not None:
-        result.update(protocol_bytes=stats.protocol_bytes, bytes_sent=stats.bytes_sent,
-                      bytes_by_purpose=dict(stats.bytes_by_purpose), syncs=stats.syncs,
-                      protocol_metrics=strategy.protocol_metrics())
+    result.update(comm_result(strategy, stats))
     return result
 
 

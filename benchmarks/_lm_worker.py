@@ -58,7 +58,7 @@ from lightning_dist.data import StdlibTextDataModule
 from lightning_dist.models import TransformerLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gossip_worker import time_protocol, trainer_kwargs  # noqa: E402  (a sibling script)
+from _gossip_worker import comm_result, per_rank_step_s, time_protocol, trainer_kwargs  # noqa: E402  (a sibling script)
 
 INTERFACE_STATS = Path("/sys/class/net/eth0/statistics")
 
@@ -225,16 +225,12 @@ def fit_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
         seconds = max(part["times"][index] for part in gathered) - start
         sent = sum(part["wire"][index][0] for part in gathered)
         curve.append({"step": step, "seconds": seconds, "val_loss": losses[index], "wire_bytes": sent})
-    step_durations = []
-    for part in gathered:
-        ends = [part["start"]] + part["step_ends"]
-        step_durations.append([b - a for a, b in zip(ends[:-1], ends[1:])])
     result = {
         "name": run["name"], "kind": run["kind"], "strategy": run.get("strategy"), "outer": run.get("outer"),
         "world_size": world, "num_parameters": sum(p.numel() for p in model.parameters()),
         "model_bytes": vectors[0].nbytes, "budget_s": budget, "steps": trainer.global_step,
         "fit_s": max(part["fit_end"] for part in gathered) - start,
-        "step_s_per_rank": step_durations,
+        "step_s_per_rank": per_rank_step_s(gathered),
         "round_steps": [step for step, _ in gathered[0]["rounds"]],
         "round_s_per_rank": [[duration for _, duration in part["rounds"]] for part in gathered],
         "distances_per_rank": [part["distances"] for part in gathered],
@@ -244,10 +240,7 @@ def fit_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
     }
     if not math.isfinite(result["final_val_loss"]):
         print(f"warning: {run['name']} ended with a non-finite validation loss", flush=True)
-    if stats is not None:
-        result.update(protocol_bytes=stats.protocol_bytes, bytes_sent=stats.bytes_sent,
-                      bytes_by_purpose=dict(stats.bytes_by_purpose), syncs=stats.syncs,
-                      protocol_metrics=strategy.protocol_metrics())
+    result.update(comm_result(strategy, stats))
     return result
 
 
