@@ -12,7 +12,7 @@ $(READY): pyproject.toml constraints.txt
 	touch $(READY)
 
 demo: $(READY)
-	$(VENV)/bin/python examples/compare_averaging.py
+	$(VENV)/bin/python examples/lm_demo.py
 
 test: $(READY)
 	$(VENV)/bin/python -m pytest -q
