@@ -3,10 +3,18 @@
 ``lightning_dist.sim`` runs the same workload (the same ``TransformerLM``, ``StdlibTextDataModule``,
 AdamW, seed 0) with the same methods on virtual workers, on a modelled network with the measured
 run's caps: each node sends and receives at most ``node_mbit`` (times the TCP payload share of an
-Ethernet frame, 1448 / 1514) with ``--latency`` per message. Training is real; time is virtual. A
-step takes ``step_seconds`` of virtual time, the measured run's median step of a local-update method
-at the highest bandwidth (compute only: its steps without a synchronization). Every protocol moves
-what its strategy moves (DDP and periodic averaging a ring all-reduce, FedAvg a star through the
+Ethernet frame, 1448 / 1514) with ``LATENCY_S`` per message, and never faster than this machine's
+ceiling. Training is real; time is virtual. Two constants of the machine come from the measured run,
+both at its highest bandwidth, neither from a time to target:
+
+- a step takes ``step_s`` of virtual time, the median step of a local-update method (compute only:
+  its steps without a synchronization);
+- the ceiling is the node rate periodic averaging's synchronizations reached there (a ring
+  all-reduce of the model, inverted through ``ring_all_reduce_seconds``). Four ranks on two cores
+  move about 215 Mbit/s through the namespaces (2026-11-24 run), so a 1000 Mbit/s cap is not what
+  binds; every smaller cap measured here is below the ceiling and unaffected by it.
+
+Every protocol moves what its strategy moves (DDP and periodic averaging a ring all-reduce, FedAvg a star through the
 lowest participant, DownpourSGD pushes and pulls to a server on rank 0; ``lightning_dist.sim.collectives``).
 
 Part 1, prediction: for every method and bandwidth of the measured JSON, the simulated seconds to
@@ -46,6 +54,7 @@ from lightning_dist.algorithms.outer import diloco_outer_optimizer
 from lightning_dist.data import StdlibTextDataModule
 from lightning_dist.models import TransformerLM
 from lightning_dist.sim import NetworkModel, Simulation, SpeedModel
+from lightning_dist.sim.collectives import ring_all_reduce_seconds
 from lightning_dist.sim.protocols import Protocol, make_protocol
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,20 +89,25 @@ def protocol_of(method: dict[str, Any]) -> Protocol:
     raise ValueError(f"{method['name']}: no simulator protocol for {cls}")
 
 
-def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_mbit: float, step_s: float,
-             max_virtual_s: float | None, max_steps: int, target: float | None) -> dict[str, Any]:
+def node_rate_mbit(node_mbit: float, ceiling_mbit: float) -> float:
+    """The payload rate of a node capped at ``node_mbit``: the cap's TCP payload share, at most the ceiling."""
+    return min(node_mbit * PAYLOAD_SHARE, ceiling_mbit)
+
+
+def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_mbit: float, ceiling_mbit: float,
+             step_s: float, max_virtual_s: float | None, max_steps: int, target: float | None) -> dict[str, Any]:
     """One simulated run; stops at ``max_virtual_s``, ``max_steps`` or two evaluations after ``target``."""
     torch.manual_seed(0)
     datamodule = StdlibTextDataModule(seed=0, **config["data"])
     model = TransformerLM(**config["model"])
 
     def reached(rows: list[dict[str, float]]) -> bool:
-        hits = [row for row in rows if row.get("val_loss", math.inf) <= target]
-        return target is not None and len(hits) >= 2
+        return target is not None and sum(row.get("val_loss", math.inf) <= target for row in rows) >= 2
 
     simulation = Simulation(
         model, datamodule, protocol_of(method), workers=workers, max_steps=max_steps,
-        network=NetworkModel(latency=LATENCY_S, node_mbit=node_mbit * PAYLOAD_SHARE, half_duplex_links=True),
+        network=NetworkModel(latency=LATENCY_S, node_mbit=node_rate_mbit(node_mbit, ceiling_mbit),
+                             half_duplex_links=True),
         speed=SpeedModel(step_seconds=step_s, aggregate_seconds=0.0), max_virtual_seconds=max_virtual_s,
         eval_every=max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0)
     started = time.perf_counter()
@@ -101,9 +115,10 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
     rows = [{"time": row["time"], "mean_steps": row["mean_steps"], "val_loss": row["val_loss"], "bytes": row["bytes"]}
             for row in result.rows]
     hit = next((row for row in rows if target is not None and row["val_loss"] <= target), None)
-    return {"name": method["name"], "workers": workers, "node_mbit": node_mbit, "step_s": step_s,
+    return {"name": method["name"], "workers": workers, "node_mbit": node_mbit,
+            "rate_mbit": node_rate_mbit(node_mbit, ceiling_mbit), "step_s": step_s,
             "rows": rows, "time_to_target_s": hit["time"] if hit else None,
-            "steps_to_target": hit["mean_steps"] if hit else None,
+            "steps_to_target": hit["mean_steps"] if hit else None, "bytes_to_target": hit["bytes"] if hit else None,
             "final_val_loss": rows[-1]["val_loss"], "steps": rows[-1]["mean_steps"], "virtual_s": rows[-1]["time"],
             "protocol_bytes": result.summary["bytes"], "wall_s": time.perf_counter() - started}
 
@@ -117,7 +132,27 @@ def measured_step_s(measured: dict[str, Any]) -> float:
     return statistics.median(durations)
 
 
-def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float) -> list[dict[str, Any]]:
+def measured_ceiling_mbit(measured: dict[str, Any]) -> float:
+    """The node rate of periodic averaging's all-reduces at the highest bandwidth, Mbit/s of payload.
+
+    The median synchronization there, set equal to ``ring_all_reduce_seconds`` of the model's bytes among
+    the ranks, solved for the rate (the latency's share subtracted).
+    """
+    runs = [run for launch in measured["launches"] if "runs" in launch for run in launch["runs"]]
+    top = max(run["node_mbit"] for run in runs)
+    plain = [run for run in runs if run["node_mbit"] == top and run["kind"] == "periodic"
+             and run["strategy"]["kwargs"].get("client_fraction", 1.0) == 1.0]
+    if not plain:
+        raise ValueError(f"no periodic averaging run at {top:g} Mbit/s in the measured JSON to take the ceiling from")
+    round_s = statistics.median(d for run in plain for rank in run["round_s_per_rank"] for d in rank)
+    ranks, nbytes = plain[0]["world_size"], plain[0]["model_bytes"]
+    unit = NetworkModel(latency=LATENCY_S, node_mbit=1.0, half_duplex_links=True)
+    latency_s = ring_all_reduce_seconds(NetworkModel(latency=LATENCY_S, half_duplex_links=True), ranks, nbytes)
+    return (ring_all_reduce_seconds(unit, ranks, nbytes) - latency_s) / (round_s - latency_s)
+
+
+def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
+            ceiling_mbit: float) -> list[dict[str, Any]]:
     config, summary = measured["config"], measured["summary"]
     methods = {method["name"]: method for method in config["methods"]}
     budget, target = config["budget_s"], summary["target_val_loss"]
@@ -126,10 +161,11 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float) -
         if args.methods and row["name"] not in args.methods:
             continue
         max_steps = math.ceil(budget / step_s) + 1
-        predicted = simulate(config, methods[row["name"]], config["ranks"], row["node_mbit"], step_s, budget,
-                             max_steps, None)
+        predicted = simulate(config, methods[row["name"]], config["ranks"], row["node_mbit"], ceiling_mbit, step_s,
+                             budget, max_steps, None)
         hit = next((r for r in predicted["rows"] if r["val_loss"] <= target), None)
-        predicted.update(time_to_target_s=hit["time"] if hit else None, steps_to_target=hit["mean_steps"] if hit else None)
+        predicted.update(time_to_target_s=hit["time"] if hit else None, steps_to_target=hit["mean_steps"] if hit else None,
+                         bytes_to_target=hit["bytes"] if hit else None)
         cell = {"name": row["name"], "node_mbit": row["node_mbit"], "predicted": predicted,
                 "measured": {key: row[key] for key in ("time_to_target_s", "final_val_loss", "steps", "reached",
                                                        "protocol_bytes", "projected_time_to_target_s") if key in row}}
@@ -144,13 +180,15 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float) -
     return cells
 
 
-def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float) -> list[dict[str, Any]]:
+def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
+          ceiling_mbit: float) -> list[dict[str, Any]]:
     config, target = measured["config"], measured["summary"]["target_val_loss"]
     methods = {method["name"]: method for method in config["methods"]}
     runs = []
     for workers in args.scale_workers:
         for name in args.scale_methods:
-            run = simulate(config, methods[name], workers, args.scale_mbit, step_s, None, args.scale_max_steps, target)
+            run = simulate(config, methods[name], workers, args.scale_mbit, ceiling_mbit, step_s, None,
+                           args.scale_max_steps, target)
             runs.append(run)
             print(f"  {workers:>4} workers {name:<17} {fmt(run['time_to_target_s'])} s to target "
                   f"({fmt(run['steps_to_target'])} steps), loss {run['final_val_loss']:.3f} after {run['steps']:.0f} steps, "
@@ -254,21 +292,21 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         measured = json.loads(args.measured.read_text())
         args.scale_mbit = args.scale_mbit or measured["config"]["headline_mbit"]
-        step_s = measured_step_s(measured)
+        step_s, ceiling_mbit = measured_step_s(measured), measured_ceiling_mbit(measured)
         report = json.loads(json_path.read_text()) if json_path.exists() and (args.predict_only or args.scale_only) else {}
         report["config"] = {"measured": str(args.measured.relative_to(REPO) if args.measured.is_relative_to(REPO) else args.measured),
-                            "step_s": step_s, "latency_s": LATENCY_S, "payload_share": PAYLOAD_SHARE,
+                            "step_s": step_s, "ceiling_mbit": ceiling_mbit, "latency_s": LATENCY_S, "payload_share": PAYLOAD_SHARE,
                             "target_val_loss": measured["summary"]["target_val_loss"], "scale_mbit": args.scale_mbit,
                             "scale_max_steps": args.scale_max_steps, "python": platform.python_version(),
                             "command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
                             "date": time.strftime("%Y-%m-%d")}
-        print(f"step {step_s:.4f} s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
+        print(f"step {step_s:.4f} s and ceiling {ceiling_mbit:.0f} Mbit/s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
         if not args.scale_only:
             print("part 1: prediction of the measured table")
-            report["prediction"] = predict(args, measured, step_s)
+            report["prediction"] = predict(args, measured, step_s, ceiling_mbit)
         if not args.predict_only:
             print(f"part 2: {args.scale_workers} workers at {args.scale_mbit:g} Mbit/s")
-            report["scale"] = scale(args, measured, step_s)
+            report["scale"] = scale(args, measured, step_s, ceiling_mbit)
         args.out.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=1))
     if report.get("prediction"):
