@@ -169,7 +169,12 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
         cell = {"name": row["name"], "node_mbit": row["node_mbit"], "predicted": predicted,
                 "measured": {key: row[key] for key in ("time_to_target_s", "final_val_loss", "steps", "reached",
                                                        "protocol_bytes", "projected_time_to_target_s") if key in row}}
+        if row.get("projected_time_to_target_s"):
+            # DDP's measured projection: its steps to the target at the highest bandwidth times its step here.
+            steps_to_target = row["projected_time_to_target_s"] / row["step_s"]
+            predicted["projected_time_to_target_s"] = steps_to_target * predicted["virtual_s"] / predicted["steps"]
         cell["time_ratio"] = ratio(predicted["time_to_target_s"], row["time_to_target_s"])
+        cell["projected_ratio"] = ratio(predicted.get("projected_time_to_target_s"), row.get("projected_time_to_target_s"))
         cell["steps_ratio"] = ratio(predicted["steps"], row["steps"])
         cell["loss_ratio"] = ratio(predicted["final_val_loss"], row["final_val_loss"])
         cells.append(cell)
@@ -205,16 +210,27 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def prediction_table(cells: list[dict[str, Any]]) -> str:
-    lines = ["| Mbit/s | method | s to target: measured | predicted | ratio | final loss: measured | predicted "
-             "| steps: measured | predicted |", "|" + "---|" * 9]
+    lines = ["| Mbit/s | method | s to target: measured | predicted | ratio | DDP projected: measured | predicted "
+             "| ratio | final loss: measured | predicted | steps: measured | predicted |", "|" + "---|" * 12]
     for cell in cells:
         m, p = cell["measured"], cell["predicted"]
         lines.append(f"| {cell['node_mbit']:g} | {cell['name']} | {fmt(m['time_to_target_s'])} | {fmt(p['time_to_target_s'])} "
-                     f"| {fmt(cell['time_ratio'], 2)} | {m['final_val_loss']:.3f} | {p['final_val_loss']:.3f} "
-                     f"| {m['steps']:.0f} | {p['steps']:.0f} |")
-    within = [abs(c["time_ratio"] - 1) <= 0.2 for c in cells if c["time_ratio"] is not None]
-    lines.append(f"\n{sum(within)} of {len(within)} cells where both reached the target are within 20% in time to target.")
+                     f"| {fmt(cell['time_ratio'], 2)} | {fmt(m.get('projected_time_to_target_s'))} "
+                     f"| {fmt(p.get('projected_time_to_target_s'))} | {fmt(cell.get('projected_ratio'), 2)} "
+                     f"| {m['final_val_loss']:.3f} | {p['final_val_loss']:.3f} | {m['steps']:.0f} | {p['steps']:.0f} |")
+    lines.append("\n" + agreement(cells))
     return "\n".join(lines)
+
+
+def agreement(cells: list[dict[str, Any]]) -> str:
+    """How many compared times lie within 20% of the measurement, and the cells where only one side reached the target."""
+    times = [c["time_ratio"] for c in cells if c["time_ratio"] is not None]
+    projected = [c["projected_ratio"] for c in cells if c.get("projected_ratio") is not None]
+    one_sided = [f"{c['name']} at {c['node_mbit']:g}" for c in cells
+                 if (c["measured"]["time_to_target_s"] is None) != (c["predicted"]["time_to_target_s"] is None)]
+    return (f"{sum(abs(r - 1) <= 0.2 for r in times)} of {len(times)} cells where both reached the target are within "
+            f"20% in time to target; DDP's projections {sum(abs(r - 1) <= 0.2 for r in projected)} of {len(projected)}. "
+            f"Reached on one side only: {', '.join(one_sided) or 'none'}.")
 
 
 def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
@@ -226,6 +242,16 @@ def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
     return "\n".join(lines)
 
 
+def compared_times(cell: dict[str, Any]) -> tuple[float, float, bool] | None:
+    """(measured, predicted, projected) seconds to target of a cell: both reached, else DDP's projections."""
+    measured, predicted = cell["measured"], cell["predicted"]
+    if cell["time_ratio"] is not None:
+        return measured["time_to_target_s"], predicted["time_to_target_s"], False
+    if cell.get("projected_ratio") is not None:
+        return measured["projected_time_to_target_s"], predicted["projected_time_to_target_s"], True
+    return None
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -233,16 +259,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    cells = [c for c in report.get("prediction", []) if c["time_ratio"] is not None]
-    bandwidths = sorted({c["node_mbit"] for c in cells}, reverse=True)
-    markers = dict(zip(bandwidths, "osD^v"))
-    for cell in cells:
-        left.scatter(cell["measured"]["time_to_target_s"], cell["predicted"]["time_to_target_s"],
-                     marker=markers[cell["node_mbit"]], label=f"{cell['node_mbit']:g} Mbit/s")
-        left.annotate(cell["name"], (cell["measured"]["time_to_target_s"], cell["predicted"]["time_to_target_s"]),
-                      fontsize=6)
+    cells = [(cell, times) for cell in report.get("prediction", []) if (times := compared_times(cell))]
+    bandwidths = sorted({cell["node_mbit"] for cell, _ in cells}, reverse=True)
+    colors = dict(zip(bandwidths, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for cell, (measured, predicted, projected) in cells:
+        color = colors[cell["node_mbit"]]
+        left.scatter(measured, predicted, marker="s" if projected else "o", facecolors="none" if projected else color,
+                     edgecolors=color, label=f"{cell['node_mbit']:g} Mbit/s")
+        left.annotate(cell["name"] + (" (proj)" if projected else ""), (measured, predicted), fontsize=6)
     if cells:
-        values = [c["measured"]["time_to_target_s"] for c in cells] + [c["predicted"]["time_to_target_s"] for c in cells]
+        values = [value for _, times in cells for value in times[:2]]
         low, high = min(values) * 0.8, max(values) * 1.25
         left.plot([low, high], [low, high], color="black", linewidth=1)
         left.fill_between([low, high], [low * 0.8, high * 0.8], [low * 1.2, high * 1.2], color="grey", alpha=0.2)
@@ -253,20 +279,25 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.legend(unique.values(), unique.keys(), fontsize=8)
     left.set_xlabel("measured seconds to target")
     left.set_ylabel("simulated seconds to target")
-    left.set_title("prediction vs measurement, 4 ranks (band: within 20%)", fontsize=10)
+    left.set_title("prediction vs measurement, 4 ranks (band: within 20%; squares: DDP projected)", fontsize=10)
     left.grid(True, which="both", alpha=0.3)
     runs = report.get("scale", [])
+    mbit = report["config"].get("scale_mbit")
+    four = {cell["name"]: times[1] for cell, times in cells if cell["node_mbit"] == mbit}
     for name in dict.fromkeys(run["name"] for run in runs):
         points = [(run["workers"], run["time_to_target_s"]) for run in runs if run["name"] == name and run["time_to_target_s"]]
+        if name in four:
+            points.insert(0, (report["prediction"][0]["predicted"]["workers"], four[name]))
         if points:
-            right.plot(*zip(*points), marker="o", label=name)
+            right.plot(*zip(*sorted(points)), marker="o", label=name)
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xlabel("workers")
     right.set_ylabel("simulated seconds to target")
-    right.set_title(f"extension at {report['config'].get('scale_mbit', 0):g} Mbit/s per node (weak scaling)", fontsize=10)
+    right.set_title(f"extension at {mbit or 0:g} Mbit/s per node (weak scaling; 4 workers: part 1)", fontsize=10)
     right.grid(True, which="both", alpha=0.3)
-    right.legend(fontsize=8)
+    if runs:
+        right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
