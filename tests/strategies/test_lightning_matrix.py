@@ -37,6 +37,7 @@ DATAGOSSIP_ITERABLE = r"ValueError: DataGossip needs a map-style train dataset .
 CDGRAB_SAMPLER = r"ValueError: CDGraB needs the train loader to sample with lightning_dist.data.CDGraBSampler"
 CDGRAB_PARTIAL = r"ValueError: CDGraB needs every epoch to read the whole CDGraBSampler \(6 batches per rank\)"
 CDGRAB_BATCHNORM = r"ValueError: CDGraB needs per-example gradients, which BatchNorm layers in training mode do not have"
+FEDAVG_OUTER = r"ValueError: outer_optimizer needs client_fraction=1 \(got 0.5\)"
 DATAGOSSIP_NO_LOSSES = r"ValueError: DataGossip ranks training records by their loss: .*\(no 'per_example_loss', with manual optimization\)"
 
 
@@ -56,6 +57,7 @@ MATRIX: dict[str, dict[str, str]] = {
     "val_check_interval": _row(WORKS),
     "val_check_interval_time": _row(TIME_BASED),
     "max_steps": _row(WORKS),
+    "outer_optimizer": {"dynamic_avg": WORKS, "periodic_avg": WORKS, "fedavg": FEDAVG_OUTER},  # DiLoCo's outer step
     "progress_bar": {column: WORKS for column in LOCAL_UPDATE},  # the strategies' comm_MB and syncs
     "progress_bar_off": {column: WORKS for column in LOCAL_UPDATE},
     "limit_train_batches": _row(WORKS, cdgrab=CDGRAB_PARTIAL),
@@ -213,6 +215,20 @@ def check_max_steps(records, column):
     assert records[0]["global_step"] == 5
 
 
+def check_outer_optimizer(records, column):
+    """DiLoCo's outer step on a BatchNorm CNN with Adam: taken at every periodic round (at dynamic averaging's
+    full synchronizations), moving the model further than the plain average would; the running variances the
+    outer step leaves averaged stay positive."""
+    _check_common(records, column)
+    outer = records[0]["protocol"]
+    assert outer["outer/steps"] >= 1
+    if column == "periodic_avg":
+        assert outer["outer/steps"] == records[0]["syncs"] == records[0]["global_step"] // 2
+    assert outer["outer/update_norm"] > outer["outer/pseudo_gradient_norm"] > 0
+    variances = [value for name, value in records[0]["state"].items() if name.endswith("running_var")]
+    assert variances and all(bool((value > 0).all()) for value in variances)
+
+
 BAR_KEYS = {"comm_MB", "syncs"}
 
 
@@ -299,6 +315,7 @@ README_ROWS = {
     '`ModelCheckpoint(monitor="val_loss")`, best reloaded in one process': "checkpoint_best",
     "`validate` / `test` / `predict` after fit": "evaluate_after_fit", "`val_check_interval=0.5`": "val_check_interval",
     "time-based `val_check_interval`": "val_check_interval_time", "`max_steps=5`": "max_steps",
+    "DiLoCo's `outer_optimizer=diloco_outer_optimizer`": "outer_optimizer",
     "`limit_train_batches=0.25`": "limit_train_batches",
     "a user's own `ProgressBar`, a logger, the user's own `prog_bar` value": "progress_bar",
     "`enable_progress_bar=False` (the user's `prog_bar` value and a logger)": "progress_bar_off",

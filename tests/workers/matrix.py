@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import Logger
 
 import lightning_dist
+from lightning_dist.algorithms.outer import diloco_outer_optimizer
 from helpers.user_models import DigitsCNN, DigitsImages
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
@@ -33,15 +34,22 @@ LIMIT = 6  # training batches per epoch in most cells
 UNEQUAL_SHARDS = (320, 192, 256)  # examples per rank: 10, 6 and 8 batches of 32
 
 # column -> (strategy, callback): strategies with periods of 2 steps so a handful of steps syncs.
+# The averaging strategies take a cell's STRATEGY_KWARGS.
 COLUMNS: dict[str, tuple[Any, Any]] = {
-    "dynamic_avg": (lambda: lightning_dist.DynamicAveragingStrategy(divergence_threshold=0.05, check_every=2), None),
-    "periodic_avg": (lambda: lightning_dist.PeriodicAveragingStrategy(period=2), None),
-    "fedavg": (lambda: lightning_dist.PeriodicAveragingStrategy(period=2, client_fraction=0.5), None),
+    "dynamic_avg": (lambda **kw: lightning_dist.DynamicAveragingStrategy(divergence_threshold=0.05, check_every=2, **kw),
+                    None),
+    "periodic_avg": (lambda **kw: lightning_dist.PeriodicAveragingStrategy(period=2, **kw), None),
+    "fedavg": (lambda **kw: lightning_dist.PeriodicAveragingStrategy(period=2, client_fraction=0.5, **kw), None),
     "downpour_sgd": (lambda: lightning_dist.DownpourSGDStrategy(push_every=2), None),
     "segmented_gossip": (lambda: lightning_dist.SegmentedGossipStrategy(segments=4, replicas=1, period=2), None),
     "datagossip": (lambda: lightning_dist.PeriodicAveragingStrategy(period=2),
                    lambda: lightning_dist.DataGossip(records_per_exchange=4, weave_every=2)),
     "cdgrab": (lambda: "ddp", lambda: lightning_dist.CDGraB()),
+}
+
+# cell -> strategy kwargs, for the columns whose strategy takes them
+STRATEGY_KWARGS: dict[str, dict[str, Any]] = {
+    "outer_optimizer": {"outer_optimizer": diloco_outer_optimizer},  # DiLoCo's outer step on a BatchNorm CNN with Adam
 }
 
 # cell -> (Trainer kwargs, DigitsCNN kwargs, DigitsImages kwargs)
@@ -56,6 +64,7 @@ CELLS: dict[str, tuple[dict, dict, dict]] = {
     "val_check_interval": ({"limit_train_batches": 8, "val_check_interval": 0.5}, {}, {}),
     "val_check_interval_time": ({"limit_train_batches": LIMIT, "val_check_interval": {"seconds": 1}}, {}, {}),
     "max_steps": ({"max_steps": 5, "max_epochs": -1}, {}, {}),
+    "outer_optimizer": ({"limit_train_batches": 8, "max_epochs": 2}, {}, {}),
     # A user's own progress bar and a logger, validation twice per epoch; "_off": the same without a bar.
     "progress_bar": ({"limit_train_batches": 8, "val_check_interval": 0.5, "log_every_n_steps": 2,
                       "enable_progress_bar": True}, {}, {}),
@@ -152,6 +161,7 @@ def _metrics(results: list[dict]) -> list[dict[str, float]]:
 def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
     make_strategy, make_callback = COLUMNS[column]
     trainer_kwargs, module_kwargs, data_kwargs = (dict(part) for part in CELLS[cell])
+    strategy_kwargs = STRATEGY_KWARGS.get(cell, {})
     if column == "datagossip":
         # Records are exchanged after an epoch and woven into the next: two epochs, so they are.
         # manual_optimization keeps the module's default (training_step returns nothing), which DataGossip refuses.
@@ -188,7 +198,7 @@ def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
         if trainer_kwargs.get("enable_progress_bar"):
             callbacks.append(BarRecorder())
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=make_strategy(),
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=make_strategy(**strategy_kwargs),
         logger=logger, enable_model_summary=False, enable_checkpointing=checkpoint is not None, callbacks=callbacks,
         num_sanity_val_steps=0, **{"max_epochs": 1, "enable_progress_bar": False, **trainer_kwargs},
     )
