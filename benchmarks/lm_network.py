@@ -1,7 +1,7 @@
 """Time to a target validation loss of a transformer language model against DDP, over network bandwidth.
 
 The workload is the package's own: ``TransformerLM`` (a GPT-style character-level decoder, about
-1.2M parameters here) on ``StdlibTextDataModule`` (the Python standard library's source, contiguous
+1.3M parameters here) on ``StdlibTextDataModule`` (the Python standard library's source, contiguous
 shards per rank), AdamW, the same seed and the same wall-clock budget for every method. Every rank
 runs in its own network namespace behind an htb cap of ``node_mbit`` on what it sends and on what it
 receives (``benchmarks/netns.py``; Gloo over TCP), so every byte crosses a slow network. Methods:
