@@ -85,8 +85,8 @@ def main() -> None:
         reached = result["time_to_target_s"] is not None
         at = (f"reached it after {result['steps_to_target']:.0f} steps, {result['time_to_target_s']:.1f} virtual s"
               if reached else f"did not reach it in {result['steps']:.0f} steps ({result['virtual_s']:.1f} virtual s)")
-        print(f"  {labels[name]:<40} {at}; {result['protocol_bytes'] / 1e6:.1f} MB sent "
-              f"({time.perf_counter() - started:.0f} s wall)", flush=True)
+        print(f"  {labels[name]:<40} {at}; final loss {result['final_val_loss']:.3f}, "
+              f"{result['protocol_bytes'] / 1e6:.1f} MB sent ({time.perf_counter() - started:.0f} s wall)", flush=True)
     ddp, dynamic = results
     if ddp["time_to_target_s"] and dynamic["time_to_target_s"]:
         print(f"dynamic averaging reaches the target {ddp['time_to_target_s'] / dynamic['time_to_target_s']:.1f}x "
