@@ -172,6 +172,11 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         self._partial_syncs = state["partial_syncs"]
         load_outer_state(self._outer, state, type(self).__name__)
 
+    def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
+        """Kept: the reference model ``r`` is the last full synchronization's, and the violation counter,
+        the violations since then, forces the next one once it reaches the new number of ranks (``v >= m``)."""
+        return state
+
     def protocol_metrics(self) -> dict[str, float]:
         return {
             "dynamic/checks": float(self._checks),

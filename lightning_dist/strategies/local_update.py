@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.comm import CommStats, Communicator, new_group
 from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies._resize import nearest_saved_rank, resized_comm_stats
 
 CHECKPOINT_KEY = "lightning_dist"
 
@@ -175,6 +176,16 @@ class LocalUpdateStrategy(DDPStrategy):
     def protocol_metrics(self) -> dict[str, float]:
         """Extra protocol counters to log next to ``comm/*``."""
         return {}
+
+    def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
+        """``protocol_state_dict`` of a checkpoint written by ``written_by`` processes, for this world size.
+
+        Refused unless a strategy says how its protocol state carries over (strategies/_resize.py).
+        """
+        raise ValueError(
+            f"{type(self).__name__} cannot resume at another world size yet: the checkpoint was written by "
+            f"{written_by} processes, this run has {self.comm.world_size} (devices * num_nodes)"
+        )
 
     def worker_state_dict(self) -> dict[str, Any]:
         """Protocol state of this rank only (saved per rank, next to its replica)."""
@@ -468,20 +479,21 @@ class LocalUpdateStrategy(DDPStrategy):
         # the consensus in the checkpoint's state_dict, the model the run evaluated and logged.
         if state is None or not self._is_fitting():
             return
-        if state["world_size"] != self.comm.world_size:
-            raise ValueError(
-                f"checkpoint was written by {state['world_size']} processes; resuming needs the same "
-                f"number (devices * num_nodes), got {self.comm.world_size}"
-            )
-        replica = state["replicas"][self.comm.rank]
-        self.model_vector.set(replica["vector"].to(self.root_device))
+        written_by, rank = state["world_size"], self.comm.rank
+        replica = state["replicas"][nearest_saved_rank(rank, written_by)]
+        if written_by == self.comm.world_size:
+            self.model_vector.set(replica["vector"].to(self.root_device))
+            self._replicas_in_sync = state["replicas_in_sync"]
+            self.comm.stats = CommStats.from_state_dict(replica["comm"])
+            self.load_protocol_state_dict(state["protocol"])
+            self.load_worker_state_dict(replica.get("worker", {}))
+        else:  # strategies/_resize.py: every replica continues from the consensus the module now holds
+            self.load_protocol_state_dict(self.resized_protocol_state(state["protocol"], written_by))
+            self._replicas_in_sync = True
+            self.comm.stats = resized_comm_stats(state["replicas"], rank, self.comm.world_size)
         self._local_steps = state["local_steps"]
         self._syncs = state["syncs"]
-        self._replicas_in_sync = state["replicas_in_sync"]
         self._generator.set_state(state["generator"])
-        self.comm.stats = CommStats.from_state_dict(replica["comm"])
-        self.load_protocol_state_dict(state["protocol"])
-        self.load_worker_state_dict(replica.get("worker", {}))
         torch.set_rng_state(replica["torch_rng"])
         if replica["cuda_rng"]:
             (cuda_rng,) = replica["cuda_rng"]
@@ -494,6 +506,7 @@ class LocalUpdateStrategy(DDPStrategy):
         if state is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        for optimizer, optimizer_state in zip(self.optimizers, state["replicas"][self.comm.rank]["optimizers"]):
+        replica = state["replicas"][nearest_saved_rank(self.comm.rank, state["world_size"])]
+        for optimizer, optimizer_state in zip(self.optimizers, replica["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
             _optimizer_to_device(optimizer, self.root_device)

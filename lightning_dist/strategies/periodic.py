@@ -96,5 +96,9 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
         load_outer_state(self._outer, state, type(self).__name__)
 
+    def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
+        """Kept: the rounds count global steps, and DiLoCo's reference and outer momentum are one model's."""
+        return state
+
     def protocol_metrics(self) -> dict[str, float]:
         return {} if self._outer is None else self._outer.metrics()
