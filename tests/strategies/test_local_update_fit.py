@@ -1,5 +1,7 @@
 """Full Lightning fits on 2-3 Gloo processes: schedules, bytes, identical replicas, resume, failures."""
 
+import math
+
 import pytest
 import torch
 
@@ -170,3 +172,24 @@ def test_a_strategy_without_a_resize_rule_refuses_another_world_size_by_name(tmp
     for result in load_results(tmp_path / "resumed", 2):
         assert result["error"] == ("ValueError: SegmentedGossipStrategy cannot resume at another world size yet: the "
                                    "checkpoint was written by 3 processes, this run has 2 (devices * num_nodes)")
+
+
+def test_resume_at_another_world_size_with_a_user_cnn(tmp_path):
+    """The same 3 -> 2 resume with a user's module: BatchNorm buffers, Dropout, Adam's moments and a StepLR."""
+    from helpers.user_models import DigitsCNN
+    from lightning_dist.model_vector import ModelVector
+
+    strategy = {"class": "DynamicAveragingStrategy", "kwargs": {"divergence_threshold": 0.05, "check_every": 4}}
+    _fit(tmp_path, "written", 3, strategy, user_model=True, trainer={"max_epochs": 2},
+         checkpoint_dir=str(tmp_path / "ckpt"))
+    (written,) = (tmp_path / "ckpt").glob("epoch=0-*.ckpt")
+    checkpoint = torch.load(written, weights_only=False)
+    model = DigitsCNN()
+    model.load_state_dict(checkpoint["state_dict"])
+    consensus = ModelVector(model).get()
+    resumed = _fit(tmp_path, "resumed", 2, strategy, user_model=True, trainer={"max_epochs": 2}, ckpt_path=str(written))
+    for result in resumed:
+        assert torch.equal(result["start_vector"], consensus)
+        assert torch.equal(result["vector"], resumed[0]["vector"]) and bool(torch.isfinite(result["vector"]).all())
+        assert result["global_step"] == checkpoint["global_step"] + result["num_training_batches"]
+    assert math.isfinite(resumed[0]["callback_metrics"]["val_loss"])

@@ -15,6 +15,9 @@ import lightning_dist
 from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers.user_models
+from helpers.user_models import DigitsCNN, DigitsImages  # noqa: E402
+
 
 class InjectNaN(Callback):
     """Turns one rank's parameters non-finite after a given step."""
@@ -42,9 +45,13 @@ def main() -> None:
         strategy = strategy_spec
     else:
         strategy = getattr(lightning_dist, strategy_spec["class"])(**strategy_spec.get("kwargs", {}))
-    datamodule = DigitsDataModule(**spec.get("data", {}))
     torch.manual_seed(1000 + int(__import__("os").environ.get("RANK", "0")))  # replicas must be made identical by the strategy
-    model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, **spec.get("model", {}))
+    if spec.get("user_model"):  # a module that is not the package's: BatchNorm, Dropout, Adam, StepLR
+        datamodule, model = DigitsImages(), DigitsCNN()
+    else:
+        datamodule = DigitsDataModule(**spec.get("data", {}))
+        model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes,
+                              **spec.get("model", {}))
     callbacks = [RecordStepZeroVector()]
     if "nan" in spec:
         callbacks.append(InjectNaN(**spec["nan"]))
@@ -75,6 +82,7 @@ def main() -> None:
             syncs=strategy._syncs,
             local_steps=strategy._local_steps,
             global_step=trainer.global_step,
+            num_training_batches=trainer.num_training_batches,
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         )
         if spec.get("validate_after"):
