@@ -20,7 +20,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 if TYPE_CHECKING:
     from lightning_dist.callbacks.data_gossip import DataGossip
@@ -54,6 +56,26 @@ class IndexRecorder(Sampler[list[int]]):
         if name in ("batch_sampler", "pending") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
+
+
+def local_pool(loader: DataLoader) -> Optional[Tensor]:
+    """The dataset indices this rank reads in the current epoch, when that is free to compute."""
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    # DistributedSamplers draw from their own generator seeded by (seed, epoch): iterating them has
+    # no side effects. Lightning's DistributedSamplerWrapper iterates the user's sampler, which may
+    # draw from the global RNG, so it is left alone.
+    if isinstance(sampler, DistributedSampler) and type(sampler).__name__ != "DistributedSamplerWrapper":
+        return torch.tensor(sorted({int(index) for index in sampler}), dtype=torch.int64)
+    return None
+
+
+def examples_per_epoch(loader: DataLoader) -> int:
+    """How many examples this rank reads per epoch: its sampler's length, else its batches times the batch size."""
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    try:
+        return len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return len(loader.batch_sampler) * (getattr(loader.batch_sampler, "batch_size", None) or 1)
 
 
 def check_train_loader(loader: object) -> DataLoader:

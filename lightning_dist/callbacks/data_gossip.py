@@ -2,14 +2,13 @@
 
 See :class:`DataGossip`. The selector math is in :mod:`lightning_dist.algorithms.selection`; the
 loader that weaves foreign batches into the local ones is in ``_weaving.py``; records travel as
-fixed-size byte rows (``_records.py``).
+fixed-size byte rows (``_records.py``); the exchanges (select, all-gather, adopt, catch up) are in
+``_exchange.py`` and the checkpoint state in ``_gossip_checkpoint.py``.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -21,39 +20,31 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.algorithms.selection import (
     SELECTORS,
     SPL_GROWTH,
     SPL_INITIAL_THRESHOLD,
     LossHistory,
-    select_records,
     spl_threshold,
 )
+from lightning_dist.callbacks._exchange import Exchange, GossipExchanges
+from lightning_dist.callbacks._gossip_checkpoint import GossipCheckpoint
 from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._records import RecordCodec
-from lightning_dist.callbacks._weaving import FOREIGN, WovenLoader, check_train_loader
+from lightning_dist.callbacks._weaving import (
+    FOREIGN,
+    WovenLoader,
+    check_train_loader,
+    examples_per_epoch,
+    local_pool,
+)
 from lightning_dist.comm import check_timeout, destroy_group, new_group, strategy_timeout
 
 _UNTAGGED = object()
-_STATE_FORMAT = 1
 
 
-@dataclass
-class _Exchange:
-    """One all-gather of this rank's selected records, run by a background thread."""
-
-    call_id: int  # position of this all-gather among this process's calls on the data group
-    payload: Tensor  # (k, record_nbytes) uint8
-    indices: Tensor
-    done: threading.Event = field(default_factory=threading.Event)
-    thread: Optional[threading.Thread] = None
-    gathered: Optional[Tensor] = None  # (world_size, k, record_nbytes)
-    error: Optional[BaseException] = None
-
-
-class DataGossip(Callback):
+class DataGossip(GossipExchanges, GossipCheckpoint, Callback):
     """Share a few training records between ranks after every epoch and train on them (paper 000).
 
     For skewed partitions (each rank holding a few classes), DataGossip lets every rank train on a
@@ -221,7 +212,7 @@ class DataGossip(Callback):
         self._data_group: Optional[dist.ProcessGroup] = None
         self._control_group: Optional[dist.ProcessGroup] = None
         self._calls = 0  # all-gathers issued on the current data group
-        self._inflight: Optional[_Exchange] = None
+        self._inflight: Optional[Exchange] = None
         self._received: Optional[tuple[int, Tensor]] = None  # finished exchange not adopted yet
         self._loaded_state: Optional[dict[str, Any]] = None
         self._codec: Optional[RecordCodec] = None
@@ -311,8 +302,8 @@ class DataGossip(Callback):
         """Wrap Lightning's prepared train loader; runs on every rank inside ``FitLoop.setup_data``."""
         source = check_train_loader(loader)
         dataset = source.dataset
-        self._pool = _local_pool(source)
-        partition = len(self._pool) if self._pool is not None else _examples_per_epoch(source)
+        self._pool = local_pool(source)
+        partition = len(self._pool) if self._pool is not None else examples_per_epoch(source)
         first = int(self._pool[0]) if self._pool is not None and len(self._pool) else 0
         codec = RecordCodec(dataset[first])
         # Checked on every rank with every rank's numbers, so all ranks raise the same error.
@@ -430,40 +421,6 @@ class DataGossip(Callback):
         self._foreign_position = (self._foreign_position + size) % count
         return collate_fn([self._foreign_records[int(self._foreign_order[p])] for p in positions])
 
-    def _adopt(self, gathered: Tensor, call_id: int) -> None:
-        """Replace the foreign buffer by the other ranks' rows of an all-gather."""
-        assert self._codec is not None
-        rows = torch.cat([gathered[r] for r in range(self._world_size) if r != self._rank])
-        self._foreign_rows = rows.clone()
-        self._foreign_records = self._codec.decode(self._foreign_rows)
-        self._foreign_order = torch.randperm(len(rows), generator=self._generator)
-        self._foreign_position = 0
-        self.foreign_exchange_id = call_id
-
-    def _adopt_arrived(self, wait: bool) -> None:
-        exchange = self._inflight
-        if exchange is not None and (wait or exchange.done.is_set()):
-            self._finish(exchange)
-        if self._received is not None:
-            call_id, gathered = self._received
-            self._received = None
-            self._adopt(gathered, call_id)
-
-    def _finish(self, exchange: _Exchange) -> None:
-        """Wait for ``exchange`` (normally done already) and keep its result for adoption."""
-        assert exchange.thread is not None
-        exchange.thread.join()
-        self._inflight = None
-        self._raise_if_failed(exchange)
-        assert exchange.gathered is not None
-        self._received = (exchange.call_id, exchange.gathered)
-
-    def _raise_if_failed(self, exchange: _Exchange) -> None:
-        if exchange.error is not None:
-            raise RuntimeError(
-                f"DataGossip's record exchange failed on rank {self._rank}: {exchange.error}"
-            ) from exchange.error
-
     def _sync_epoch_length(self, trainer: pl.Trainer) -> None:
         """Tell the fit loop how many batches this epoch has (the foreign batches may have appeared)."""
         loop = trainer.fit_loop
@@ -488,179 +445,9 @@ class DataGossip(Callback):
         if getattr(trainer, "_val_check_time_interval", None) is None and isinstance(trainer.val_check_interval, float):
             trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
 
-    # ------------------------------------------------------------------ exchanges
-
-    def _select(self) -> Tensor:
-        assert self._history is not None
-        k = self.records_per_exchange
-        eligible = self._history.seen.clone()
-        # Until k distinct local records were trained on (an epoch cut short), also allow the
-        # records the sampler assigns to this rank; as a last resort any record.
-        if int(eligible.sum()) < k and self._pool is not None:
-            eligible[self._pool] = True
-        if int(eligible.sum()) < k:
-            eligible[:] = True
-        return select_records(self.selector, self._history, eligible, k, self._generator,
-                              self.spl_threshold, self.spl_growth)
-
-    def _start_exchange(self) -> None:
-        assert self._woven is not None and self._codec is not None
-        if self._inflight is not None:
-            self._finish(self._inflight)  # done: its result waits for the next epoch start
-        indices = self._select()
-        dataset = self._woven.dataset
-        payload = self._codec.encode([dataset[int(i)] for i in indices], indices.tolist())
-        self.selected_indices = indices
-        self._last_payload = payload
-        self._calls += 1
-        exchange = _Exchange(call_id=self._calls, payload=payload, indices=indices)
-        exchange.thread = threading.Thread(
-            target=_run_exchange, args=(exchange, self._data_group, self._world_size),
-            name=f"DataGossip-exchange-{self._calls}", daemon=True,
-        )
-        self.exchanges += 1
-        self.bytes_sent += _wire_bytes(payload, self._world_size)
-        self.last_exchange_id = exchange.call_id
-        self._inflight = exchange
-        exchange.thread.start()
-
-    def _drain(self) -> None:
-        """Make every rank's number of all-gathers equal, then release the data group (a collective)."""
-        if self._drained or self._abandoned or self._data_group is None or self._control_group is None:
-            return
-        self._drained = True
-        target = torch.tensor([self._calls], dtype=torch.int64)
-        dist.all_reduce(target, op=dist.ReduceOp.MAX, group=self._control_group)
-        if self._inflight is not None:
-            exchange = self._inflight
-            assert exchange.thread is not None
-            exchange.thread.join()  # completes: every rank reaches at least this call number
-            self._inflight = None
-            self._raise_if_failed(exchange)
-        assert self._codec is not None or int(target) == self._calls
-        while self._calls < int(target):
-            # The content does not matter (training is over and nobody adopts it); any well-formed
-            # rows do, and the last selection is at hand.
-            payload = self._last_payload if self._last_payload is not None else \
-                torch.zeros(self.records_per_exchange, self._codec.record_nbytes, dtype=torch.uint8)
-            _all_gather(payload, self._data_group, self._world_size)
-            self._calls += 1
-            self.catch_up_exchanges += 1
-            self.bytes_sent += _wire_bytes(payload, self._world_size)
-        # Once every rank got here, no rank has a call left on the data group: release it.
-        dist.barrier(group=self._control_group)
-        destroy_group(self._data_group)
-        self._data_group = None
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state gathered with every other rank's to rank 0 (a collective on all ranks)."""
-        local = self.rank_state_dict()
-        if self._control_group is None or self._abandoned or not dist.is_initialized():
-            # After a failure the peers may be gone: keep what this rank knows.
-            return {"format": _STATE_FORMAT, "world_size": self._world_size, "ranks": None,
-                    "rank": self._rank, "local": local}
-        gathered: Optional[list[Any]] = [None] * self._world_size if self._rank == 0 else None
-        dist.gather_object(local, gathered, dst=0, group=self._control_group)
-        return {"format": _STATE_FORMAT, "world_size": self._world_size, "ranks": gathered}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Applied when the train loader is set up: the history's size and the record format are
-        # known only then.
-        self._loaded_state = state_dict
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's part of the checkpoint state (what ``state_dict`` gathers to rank 0)."""
-        self._record_losses()
-        pending = None
-        if self._inflight is not None:
-            pending = self._inflight.payload.clone()
-        return {
-            "history": self._history.state_dict() if self._history is not None else None,
-            "generator": self._generator.get_state(),
-            "foreign_rows": self._foreign_rows,
-            "foreign_order": self._foreign_order.clone(),
-            "foreign_position": self._foreign_position,
-            "received": None if self._received is None else self._received[1].clone(),
-            "pending": pending,
-            "last_payload": self._last_payload,
-            "selected_indices": self.selected_indices,
-            "record_format": self._codec.describe() if self._codec is not None else None,
-            "counters": {
-                "bytes_sent": self.bytes_sent,
-                "exchanges": self.exchanges,
-                "dropped_exchanges": self.dropped_exchanges,
-                "foreign_batches": self.foreign_batches,
-                "catch_up_exchanges": self.catch_up_exchanges,
-            },
-        }
-
-    def _restore(self, state: Mapping[str, Any]) -> None:
-        """Apply a loaded state on every rank, then replay the exchange that was in flight (collective)."""
-        assert self._history is not None and self._codec is not None
-        ranks = state.get("ranks")
-        if ranks is None:
-            rank_zero_warn("DataGossip: the checkpoint holds no per-rank DataGossip state (written after a failure); "
-                           "starting with empty loss histories and foreign buffers")
-            return
-        if len(ranks) != self._world_size:
-            raise ValueError(
-                f"the DataGossip state in the checkpoint was written by {len(ranks)} processes; resuming needs the "
-                f"same number (devices * num_nodes), got {self._world_size}"
-            )
-        local = ranks[self._rank]
-        if local["record_format"] is not None and local["record_format"] != self._codec.describe():
-            raise ValueError(
-                f"the checkpoint's records were {local['record_format']}; this dataset's are {self._codec.describe()}"
-            )
-        if local["history"] is not None:
-            self._history.load_state_dict(local["history"])
-        self._generator.set_state(local["generator"])
-        self._foreign_rows = local["foreign_rows"]
-        self._foreign_records = self._codec.decode(self._foreign_rows) if self._foreign_rows is not None else []
-        self._foreign_order = local["foreign_order"].clone()
-        self._foreign_position = int(local["foreign_position"])
-        self._last_payload = local["last_payload"]
-        self.selected_indices = local["selected_indices"]
-        for name, value in local["counters"].items():
-            setattr(self, name, int(value))
-        # The exchange in flight when the checkpoint was written is replayed if every rank had one
-        # (each re-sends its own payload, so every rank receives what the uninterrupted run
-        # received); otherwise the newest finished result is adopted, or nothing.
-        has_pending = torch.tensor([local["pending"] is not None], dtype=torch.int64)
-        dist.all_reduce(has_pending, op=dist.ReduceOp.MIN, group=self._control_group)
-        if int(has_pending):
-            payload = local["pending"]
-            gathered = _all_gather(payload, self._data_group, self._world_size)
-            self._calls += 1
-            self.bytes_sent += _wire_bytes(payload, self._world_size)
-            self._adopt(gathered, self._calls)
-        elif local["received"] is not None:
-            self._adopt(local["received"], 0)
 
 
 # ---------------------------------------------------------------------------------------- helpers
-
-
-def _run_exchange(exchange: _Exchange, group: Optional[dist.ProcessGroup], world_size: int) -> None:
-    try:
-        exchange.gathered = _all_gather(exchange.payload, group, world_size)
-    except BaseException as error:  # reported to the training thread at the next epoch start
-        exchange.error = error
-    finally:
-        exchange.done.set()
-
-
-def _all_gather(payload: Tensor, group: Optional[dist.ProcessGroup], world_size: int) -> Tensor:
-    gathered = [torch.empty_like(payload) for _ in range(world_size)]
-    dist.all_gather(gathered, payload.contiguous(), group=group)
-    return torch.stack(gathered)
-
-
-def _wire_bytes(payload: Tensor, world_size: int) -> int:
-    # Ring all-gather: each rank's rows travel to each of the other world_size - 1 ranks once.
-    return payload.numel() * payload.element_size() * (world_size - 1)
 
 
 def _per_example_losses(outputs: Any, batch_size: int, manual: bool = False) -> Optional[Tensor]:
@@ -689,25 +476,6 @@ def _per_example_losses(outputs: Any, batch_size: int, manual: bool = False) -> 
             f"per_example_loss must hold one loss per example of the batch ({batch_size}); got {losses.numel()}"
         )
     return losses.float()
-
-
-def _local_pool(loader: DataLoader) -> Optional[Tensor]:
-    """The dataset indices this rank reads in the current epoch, when that is free to compute."""
-    sampler = getattr(loader.batch_sampler, "sampler", None)
-    # DistributedSamplers draw from their own generator seeded by (seed, epoch): iterating them has
-    # no side effects. Lightning's DistributedSamplerWrapper iterates the user's sampler, which may
-    # draw from the global RNG, so it is left alone.
-    if isinstance(sampler, DistributedSampler) and type(sampler).__name__ != "DistributedSamplerWrapper":
-        return torch.tensor(sorted({int(index) for index in sampler}), dtype=torch.int64)
-    return None
-
-
-def _examples_per_epoch(loader: DataLoader) -> int:
-    sampler = getattr(loader.batch_sampler, "sampler", None)
-    try:
-        return len(sampler)  # type: ignore[arg-type]
-    except TypeError:
-        return len(loader.batch_sampler) * (getattr(loader.batch_sampler, "batch_size", None) or 1)
 
 
 def _is_last_epoch(trainer: pl.Trainer) -> bool:
