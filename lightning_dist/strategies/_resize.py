@@ -12,7 +12,7 @@ counters). Resumed by ``m'`` processes after ``m`` wrote it:
   which is closer to the truth than zeros that restart the bias correction;
 - the communication counters are kept in total: rank ``r < min(m, m')`` keeps its own, new ranks
   start at zero, and when ranks go away their counters are added to rank 0's, so the summed
-  ``comm_stats`` go on from where they stood;
+  ``comm_stats`` go on from where they stood (``lightning_dist/_resize.py``, shared with the callbacks);
 - the protocol's shared state is the strategy's to translate
   (:meth:`LocalUpdateStrategy.resized_protocol_state`), and refused by name where it has none.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_dist._resize import counters_kept_in_total
 from lightning_dist.comm import CommStats
 
 
@@ -34,9 +35,5 @@ def resized_comm_stats(replicas: Sequence[Mapping[str, Any]], rank: int, world_s
     """Rank ``rank``'s counters at ``world_size``: its own, zeros for a new rank, and on rank 0 also those of
     the saved ranks that no longer exist (so the sum over ranks is the checkpoint's)."""
     saved = [CommStats.from_state_dict(replica["comm"]) for replica in replicas]
-    syncs = saved[0].syncs
-    if rank >= len(saved):
-        return CommStats(syncs=syncs)
-    kept = [saved[rank]] + (saved[world_size:] if rank == 0 else [])
-    total = [sum(values) for values in zip(*(stats.to_vector() for stats in kept))]
-    return CommStats.from_vector(total, syncs)
+    total = counters_kept_in_total([stats.to_vector() for stats in saved], rank, world_size)
+    return CommStats.from_vector(total, saved[0].syncs)
