@@ -111,7 +111,7 @@ def test_a_replica_saved_from_another_gpu_loads_on_the_host(monkeypatch):
     writes on a GPU; on this CPU-only machine loading it as saved fails, which shows it claims the GPU."""
     import io
 
-    from lightning_dist.strategies.local_update import pack_replica, unpack_replica
+    from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
 
     monkeypatch.setattr(torch.serialization, "_package_registry", list(torch.serialization._package_registry))
     torch.serialization.register_package(0, lambda storage: "cuda:1", lambda storage, location: None)

@@ -1,0 +1,151 @@
+"""The checkpoint half of :class:`~lightning_dist.strategies.local_update.LocalUpdateStrategy`.
+
+A local-update run has one replica per rank, so a checkpoint holds more than Lightning's one model:
+
+- ``state_dict`` is the consensus (the average; a parameter server's global model in DownpourSGD),
+  so the file loads as one model for inference or fine-tuning;
+- under :data:`CHECKPOINT_KEY`, the protocol state (identical on every rank, saved once) and every
+  rank's part: its replica, optimizer state, communication counters, per-rank protocol state and
+  RNG states. Each rank pickles its part on the host and sends it to rank 0, which writes the file.
+
+Resumed by as many processes as wrote it, every rank continues from its own part, bit for bit;
+resumed by another number, the rule of :mod:`lightning_dist.strategies._resize` applies.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_dist.comm import CommStats
+from lightning_dist.strategies._resize import nearest_saved_rank, resized_comm_stats
+
+CHECKPOINT_KEY = "lightning_dist"
+
+
+def pack_replica(state: Mapping[str, Any]) -> bytes:
+    """A rank's checkpoint part as bytes for the trip to rank 0."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def unpack_replica(payload: bytes) -> dict[str, Any]:
+    """:func:`pack_replica`'s bytes back, every tensor on the host whatever device it was saved from."""
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+
+
+class ReplicaCheckpoints:
+    """Save and restore every rank's replica: mixed into ``LocalUpdateStrategy`` ahead of ``DDPStrategy``.
+
+    Uses the strategy's model vector, communicator, counters and protocol hooks
+    (``protocol_state_dict``, ``worker_state_dict``, ``resized_protocol_state`` and their loaders).
+    """
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The consensus model (the average), so a checkpoint loads as one model for inference or fine-tuning."""
+        module = self.lightning_module
+        assert module is not None
+        if not self._is_fitting() or self._replicas_in_sync or self._evaluation_stash is not None:
+            return module.state_dict()
+        local = self.model_vector.get()
+        self.model_vector.set(self.consensus("final"))
+        state = {key: value.clone() for key, value in module.state_dict().items()}
+        self.model_vector.set(local)
+        return state
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Add every rank's replica and the protocol state, then let rank 0 write the file."""
+        if self._vector is not None:
+            replicas = self._gather_replicas()
+            if self.is_global_zero:
+                checkpoint[CHECKPOINT_KEY] = {
+                    "world_size": self.comm.world_size,
+                    "local_steps": self._local_steps,
+                    "syncs": self._syncs,
+                    "replicas_in_sync": self._replicas_in_sync,
+                    "generator": self._generator.get_state(),
+                    "protocol": self.protocol_state_dict(),
+                    "replicas": replicas,
+                }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _replica_state(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint, every tensor on the host.
+
+        Rank 0 holds all ranks' parts in its own process: a GPU tensor of rank k would be unpickled
+        onto ``cuda:k`` there (a CUDA context and memory on another rank's GPU, an error where rank
+        0 has fewer GPUs). Each rank moves its own state back to its device when it resumes.
+        """
+        numpy_state = np.random.get_state()
+        return {
+            "vector": (self._evaluation_stash if self._evaluation_stash is not None else self.model_vector.get()).cpu(),
+            "optimizers": [apply_to_collection(optimizer.state_dict(), Tensor, Tensor.cpu) for optimizer in self.optimizers],
+            "comm": self.comm.stats.state_dict(),
+            "worker": apply_to_collection(self.worker_state_dict(), Tensor, Tensor.cpu),
+            "torch_rng": torch.get_rng_state(),
+            # This rank's GPU only: get_rng_state_all() would start a CUDA context on every visible GPU.
+            "cuda_rng": [torch.cuda.get_rng_state(self.root_device)] if self.root_device.type == "cuda" else [],
+            "python_rng": random.getstate(),
+            "numpy_rng": {"keys": torch.from_numpy(numpy_state[1].astype(np.int64)), "rest": list(numpy_state[2:])},
+        }
+
+    def _gather_replicas(self) -> list[dict[str, Any]] | None:
+        # Pickled per rank and sent to rank 0 point to point: optimizer states are nested dicts.
+        local = self._replica_state()
+        if not self.is_global_zero:
+            self.comm.send_object(pack_replica(local), 0, "checkpoint", self.root_device)
+            return None
+        replicas = [local]
+        for source in range(1, self.comm.world_size):
+            replicas.append(unpack_replica(self.comm.receive_object(source, self.root_device)))
+        return replicas
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        # Only a resumed fit continues from the replicas; validate/test/predict(ckpt_path=...) use
+        # the consensus in the checkpoint's state_dict, the model the run evaluated and logged.
+        if state is None or not self._is_fitting():
+            return
+        written_by, rank = state["world_size"], self.comm.rank
+        replica = state["replicas"][nearest_saved_rank(rank, written_by)]
+        if written_by == self.comm.world_size:
+            self.model_vector.set(replica["vector"].to(self.root_device))
+            self._replicas_in_sync = state["replicas_in_sync"]
+            self.comm.stats = CommStats.from_state_dict(replica["comm"])
+            self.load_protocol_state_dict(state["protocol"])
+            self.load_worker_state_dict(replica.get("worker", {}))
+        else:  # strategies/_resize.py: every replica continues from the consensus the module now holds
+            self.load_protocol_state_dict(self.resized_protocol_state(state["protocol"], written_by))
+            self._replicas_in_sync = True
+            self.comm.stats = resized_comm_stats(state["replicas"], rank, self.comm.world_size)
+        self._local_steps = state["local_steps"]
+        self._syncs = state["syncs"]
+        self._generator.set_state(state["generator"])
+        torch.set_rng_state(replica["torch_rng"])
+        if replica["cuda_rng"]:
+            (cuda_rng,) = replica["cuda_rng"]
+            torch.cuda.set_rng_state(cuda_rng, self.root_device)
+        random.setstate(replica["python_rng"])
+        np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        replica = state["replicas"][nearest_saved_rank(self.comm.rank, state["world_size"])]
+        for optimizer, optimizer_state in zip(self.optimizers, replica["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+            _optimizer_to_device(optimizer, self.root_device)
