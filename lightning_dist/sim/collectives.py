@@ -122,6 +122,25 @@ class Collectives:
             self._start(pending)
         return (yield pending.done)
 
+    def leave(self, node: int) -> None:
+        """Node ``node`` left (:mod:`lightning_dist.sim.churn`): the collectives not yet started go on without it.
+
+        It is removed from their members (its payload too, if it had joined); one whose remaining
+        members have all joined starts now, one left without members is dropped. The protocol that
+        names the members must drop the node from the members it passes from now on. A collective
+        already running (its ring started) ends as computed, the leaver's payload included.
+        """
+        for key, pending in list(self._pending.items()):
+            if node not in pending.members:
+                continue
+            pending.members = tuple(member for member in pending.members if member != node)
+            pending.payloads.pop(node, None)
+            if not pending.members:
+                del self._pending[key]
+            elif len(pending.payloads) == len(pending.members):
+                del self._pending[key]
+                self._start(pending)
+
     def _start(self, pending: _Pending) -> None:
         count = len(pending.members)
         result = pending.combine([pending.payloads[member] for member in pending.members])

@@ -130,6 +130,8 @@ class Node:
         self.index = index
         self.name = name
         self.mailbox = simpy.FilterStore(simulator.env)
+        self.present = True
+        """False while the node is away (:mod:`lightning_dist.sim.churn`): messages reaching it are lost."""
         self.compute_seconds = 0.0
         self.wall_compute_seconds = 0.0
 
@@ -150,12 +152,28 @@ class Node:
         size = payload_bytes(payload) if nbytes is None else nbytes
         message = Message(self.index, tag, payload, size, self.now)
         target_node = self.simulator.nodes[target]
-        return self.simulator.network.post(self.index, target, size, lambda: target_node.mailbox.put(message))
+        return self.simulator.network.post(self.index, target, size, lambda: target_node.deliver(message))
+
+    def deliver(self, message: Message) -> None:
+        """Put an arrived message in the mailbox; lost if the node is away (nobody is there to take it)."""
+        if self.present:
+            self.mailbox.put(message)
+
+    def set_present(self, present: bool) -> None:
+        """Mark the node away or back (:mod:`lightning_dist.sim.churn`). Either way its mailbox starts empty:
+        what arrived before a leave is lost with the node, and waits its programs left behind (interrupted
+        in a ``recv``) stay with the old mailbox instead of taking messages meant for the node's next life."""
+        self.present = present
+        self.mailbox = simpy.FilterStore(self.simulator.env)
 
     def recv(self, source: Optional[int] = None, tag: Hashable = None) -> simpy.Event:
         """An event whose value is the first arrived :class:`Message` matching ``source`` and ``tag``
         (None matches any), in arrival order."""
         return self.mailbox.get(lambda message: _matches(message, source, tag))
+
+    def recv_any(self, tags: Sequence[Hashable]) -> simpy.Event:
+        """An event whose value is the first arrived :class:`Message` whose tag is one of ``tags``."""
+        return self.mailbox.get(lambda message: message.tag in tags)
 
     def recv_nowait(self, source: Optional[int] = None, tag: Hashable = None) -> Optional[Message]:
         """The first arrived matching message, removed from the mailbox; None if none has arrived."""
@@ -243,6 +261,8 @@ class Simulator:
         self._programs: list[tuple[Node, Callable[[Node], Generator]]] = []
         self.network: Optional[Network] = None
         self.collectives: Optional[Collectives] = None
+        self.processes: dict[int, list[simpy.Process]] = {}
+        """The running processes of each node (its programs, and those :meth:`spawn` started)."""
 
     def add_node(self, name: str, program: Callable[[Node], Generator]) -> Node:
         """Add a node that runs ``program(node)`` (a generator function) when the simulation starts."""
@@ -263,7 +283,20 @@ class Simulator:
         self.network = Network(self.env, self.network_model, len(self.nodes))
         self.collectives = Collectives(self.env, self.network_model, self.network)
         for node, program in self._programs:
-            self.env.process(program(node))
+            self.spawn(node.index, program)
+
+    def spawn(self, index: int, program: Callable[[Node], Generator]) -> simpy.Process:
+        """Start ``program(node)`` on node ``index`` now (a worker that joins during the run)."""
+        process = self.env.process(program(self.nodes[index]))
+        self.processes.setdefault(index, []).append(process)
+        return process
+
+    def interrupt(self, index: int) -> None:
+        """Stop every process of node ``index`` at the current virtual instant (a worker that leaves): each gets
+        :class:`simpy.Interrupt` where it waits, before any other event of this instant resumes it."""
+        for process in self.processes.pop(index, []):
+            if process.is_alive:
+                process.interrupt("left")
 
     def run(self, until: Optional[float] = None) -> float:
         """Run until no event is left (or virtual time ``until``); returns the virtual time reached."""

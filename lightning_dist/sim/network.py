@@ -104,6 +104,7 @@ class Transfer:
     sequence: int
     link: tuple[int, int]
     started: bool = False
+    cancelled: bool = False
 
 
 class Network:
@@ -128,6 +129,7 @@ class Network:
         self._by_source: dict[int, dict[int, Transfer]] = defaultdict(dict)
         self._by_target: dict[int, dict[int, Transfer]] = defaultdict(dict)
         self._by_link: dict[tuple[int, int], dict[int, Transfer]] = defaultdict(dict)
+        self._sending: dict[int, dict[int, Transfer]] = defaultdict(dict)  # started, not yet transmitted, by source
         self._sequence = itertools.count()
         self.bytes_sent = [0] * num_nodes
         self.messages_sent = [0] * num_nodes
@@ -158,6 +160,25 @@ class Network:
                 index[key][transfer.sequence] = transfer
         return transfer.done
 
+    def drop(self, source: int) -> None:
+        """Node ``source`` stops sending (it left, :mod:`lightning_dist.sim.churn`): its transfers are cancelled.
+
+        Queued transfers never leave (their bytes and messages are uncounted); those in transmission
+        stop now, free their ports and link at once and never arrive (their bytes stay counted: they
+        were on the wire). Their ``done`` events never fire. Transfers to ``source`` go on and are lost
+        on arrival (:meth:`Node.deliver`), as a sender only learns that its peer is gone by trying.
+        """
+        for transfer in list(self._by_source[source].values()):
+            self.bytes_sent[source] -= transfer.nbytes
+            self.messages_sent[source] -= 1
+            transfer.cancelled = transfer.started = True  # started: the wake-up scans skip it
+            self._by_target[transfer.target].pop(transfer.sequence, None)
+            self._by_link[transfer.link].pop(transfer.sequence, None)
+        self._by_source[source].clear()
+        for transfer in list(self._sending[source].values()):
+            transfer.cancelled = True
+            self._release(transfer)
+
     def _send_room(self, node: int) -> bool:
         free = self._send_free[node]
         return free is None or free > 0
@@ -179,6 +200,7 @@ class Network:
         self._by_target[transfer.target].pop(transfer.sequence, None)
         self._by_link[transfer.link].pop(transfer.sequence, None)
         self._occupy(transfer, -1)
+        self._sending[transfer.source][transfer.sequence] = transfer
         self.env.timeout(self.model.transmission_seconds(transfer.nbytes)).callbacks.append(
             lambda _event: self._transmitted(transfer)
         )
@@ -194,8 +216,15 @@ class Network:
             self._busy_links.discard(transfer.link)
 
     def _transmitted(self, transfer: Transfer) -> None:
-        self._occupy(transfer, +1)
+        if transfer.cancelled:  # dropped in transmission; its resources were freed then
+            return
+        self._release(transfer)
         self.env.timeout(self.model.latency).callbacks.append(lambda _event: self._arrive(transfer))
+
+    def _release(self, transfer: Transfer) -> None:
+        """The transfer's last byte left (or it was cancelled): free its ports and link, start what waits for them."""
+        del self._sending[transfer.source][transfer.sequence]
+        self._occupy(transfer, +1)
         self._wake(transfer)
 
     def _wake(self, finished: Transfer) -> None:

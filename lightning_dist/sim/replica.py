@@ -163,6 +163,12 @@ class Replica:
         self.steps += 1
         self._step_schedulers("step", self.steps)
 
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's state (momentum, Adam's moments and step counts), as a fresh optimizer would
+        start: a worker that rejoins holds a new model, which its old state does not belong to. The learning
+        rate schedulers keep their counts: the run's schedule goes on."""
+        self.optimizer.state.clear()
+
     def _step_schedulers(self, interval: str, count: int) -> None:
         """Step the schedulers of ``interval`` after the ``count``-th step or epoch, every ``frequency`` (Lightning's rule)."""
         for scheduler, scheduler_interval, frequency in self.schedulers:

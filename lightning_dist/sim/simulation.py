@@ -5,10 +5,15 @@ own :class:`~lightning_dist.sim.replica.Replica` on its rank's share of the trai
 loader the datamodule gives rank ``i`` of ``N``) and runs the protocol after every step. A
 protocol's server or coordinator is node ``N``. Evaluation is an observer: it reads the models at
 a virtual instant, without the steps still running then, and costs no virtual time.
+
+With a :class:`~lightning_dist.sim.churn.Churn` schedule workers leave and join during the run
+(what that means: :mod:`lightning_dist.sim.churn`); averages and the global model are then over the
+workers present.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import lightning as L
+import simpy
 import torch
 from simpy.core import StopSimulation
 from torch import Tensor
@@ -24,6 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.algorithms.arguments import check_count
 from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
 from lightning_dist.sim.network import NetworkModel
 from lightning_dist.sim.protocols.base import Program, Protocol
@@ -52,6 +59,9 @@ class SimulationResult:
     worker_rows: list[dict[str, float]] = field(default_factory=list)
     waits: list[dict[str, float]] = field(default_factory=list)
     """Every time a worker waited for the protocol: worker, step, virtual start and seconds waited."""
+    churn: list[dict[str, Any]] = field(default_factory=list)
+    """Every leave and join: worker, virtual time, event ("leave" or "join") and, for a join, the step it goes on
+    after (``position``)."""
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -74,6 +84,9 @@ class Simulation:
         stop_when: called with the global rows after every evaluation; the run stops (at that
             virtual instant) once it returns True, e.g. a few evaluations after a target accuracy.
         seed: seeds torch before the run (dropout, and anything else drawn from torch's default generator).
+        churn: workers leaving and joining (:class:`~lightning_dist.sim.churn.Churn`); None: all stay. Needs a
+            modelled ``speed.step_seconds`` and, for the averaging protocols and the parameter server,
+            ``topology="server"``.
     """
 
     def __init__(
@@ -90,6 +103,7 @@ class Simulation:
         evaluate_workers: bool = True,
         stop_when: Optional[Callable[[list[dict[str, float]]], bool]] = None,
         seed: int = 0,
+        churn: Optional[Churn] = None,
     ) -> None:
         self.num_workers = check_count("workers", workers, 1)
         self.max_steps = check_count("max_steps", max_steps, 1)
@@ -103,6 +117,17 @@ class Simulation:
         if not isinstance(protocol, Protocol):
             raise TypeError(f"protocol must be a lightning_dist.sim Protocol; got {type(protocol).__name__}")
         protocol.validate(self.num_workers, self.max_steps)
+        if churn is not None:
+            if not isinstance(churn, Churn):
+                raise TypeError(f"churn must be a lightning_dist.sim.Churn or None; got {type(churn).__name__}")
+            churn.check(self.num_workers)
+            protocol.check_churn()
+            if speed is None or not speed.modelled("step"):
+                raise ValueError(
+                    "churn needs a modelled speed.step_seconds (a finite number of seconds >= 0): a measured step runs "
+                    "before its interval, so a worker leaving during it could not stop it; got step_seconds=None"
+                )
+        self.churn = churn
         self.model = model
         self.datamodule = datamodule
         self.protocol = protocol
@@ -117,9 +142,15 @@ class Simulation:
     # ------------------------------------------------------------------ helpers protocols use
 
     def consensus(self, weights: Optional[Sequence[float]] = None) -> Tensor:
-        """The mean of the workers' models (:meth:`worker_model`), weighted by ``weights`` (e.g.
-        ``dataset_sizes``) if given."""
-        return weighted_average([self.worker_model(rank) for rank in range(self.num_workers)], weights)
+        """The mean of the present workers' models (:meth:`worker_model`), weighted by ``weights`` (one per worker,
+        e.g. ``dataset_sizes``) if given; of all workers' models while none is present."""
+        workers = self.present_workers() or list(range(self.num_workers))
+        chosen = None if weights is None else [weights[rank] for rank in workers]
+        return weighted_average([self.worker_model(rank) for rank in workers], chosen)
+
+    def present_workers(self) -> list[int]:
+        """The workers present now (all of them without churn), ascending."""
+        return [rank for rank in range(self.num_workers) if self.present[rank]]
 
     def worker_model(self, rank: int) -> Tensor:
         """Worker ``rank``'s model as of now: without the training step it is still taking.
@@ -150,6 +181,12 @@ class Simulation:
         ]
         self.dataset_sizes = self._dataset_sizes()
         self._in_flight: list[Optional[Tensor]] = [None] * self.num_workers
+        self.present = [True] * self.num_workers
+        for rank in self.churn.absent_at_start(self.num_workers) if self.churn is not None else []:
+            self.present[rank] = False
+        self.positions = [0] * self.num_workers
+        """The last step each worker finished (its ``step`` in :meth:`Protocol.after_step`)."""
+        self._finished = [False] * self.num_workers
         self.evaluator = Evaluator(self.model, self.datamodule.val_dataloader())
         self.protocol.setup(self)
         self.simulator = Simulator(self.network_model, self.speed)
@@ -159,12 +196,16 @@ class Simulation:
             self.simulator.add_node("server", self.protocol.server)
         elif self.protocol.server_on_worker is not None:
             self.simulator.add_program(self.protocol.server_on_worker, self.protocol.server)
+        for rank in range(self.num_workers):
+            self.simulator.nodes[rank].present = self.present[rank]
         self.result = SimulationResult()
         self._total_steps = 0
         self._next_eval = 0
         self._losses: list[list[float]] = [[] for _ in range(self.num_workers)]
         self._eval_wall = 0.0
         self.simulator.start()
+        for rank in self.churn.churning(self.num_workers) if self.churn is not None else []:
+            self.simulator.env.process(self._churn_program(rank))
         self._setup_wall = time.perf_counter() - wall_start
         self._evaluate()
         virtual_seconds = self.simulator.run(until=self.max_virtual_seconds)
@@ -186,25 +227,74 @@ class Simulation:
             sizes = [1] * len(sizes)
         return torch.tensor(sizes, dtype=torch.float64)
 
-    def _worker_program(self, node: Node) -> Program:
+    def _worker_program(self, node: Node, joining: bool = False) -> Program:
+        """A worker's life: train ``max_steps`` steps (a joiner: from where :meth:`Protocol.join` puts it), then
+        :meth:`Protocol.finish`. A leave ends it with :class:`simpy.Interrupt` wherever it waits."""
         rank = node.index
         replica = self.replicas[rank]
-        for step in range(1, self.max_steps + 1):
-            # Loading the batch is not part of the step's compute: tiny shards would start a new epoch
-            # (a fresh loader iterator) almost every step, a cost that grows with the worker count.
-            batch = replica.next_batch()
-            if not self.speed.modelled("step"):
-                self._in_flight[rank] = replica.get()  # see worker_model
-            loss = yield from self.protocol.train_step(node, rank, batch)
-            self._in_flight[rank] = None
-            self._losses[rank].append(loss)
-            self._total_steps += 1
-            if self._total_steps >= self._next_eval:
-                self._evaluate()
-            started = node.now
-            yield from self.protocol.after_step(node, rank, step)
-            self.record_wait(rank, step, started)
-        yield from self.protocol.finish(node, rank)
+        if not self.present[rank]:
+            return  # away from the start: _churn_program spawns it when it joins
+        try:
+            if joining:
+                started = node.now
+                self.positions[rank] = yield from self.protocol.join(node, rank)
+                self.record_wait(rank, self.positions[rank], started)
+                replica.reset_optimizer()
+                self.result.churn.append({"worker": rank, "time": node.now, "event": "joined",
+                                          "position": self.positions[rank]})
+            for step in range(self.positions[rank] + 1, self.max_steps + 1):
+                # Loading the batch is not part of the step's compute: tiny shards would start a new epoch
+                # (a fresh loader iterator) almost every step, a cost that grows with the worker count.
+                batch = replica.next_batch()
+                if not self.speed.modelled("step"):
+                    self._in_flight[rank] = replica.get()  # see worker_model
+                loss = yield from self.protocol.train_step(node, rank, batch)
+                self._in_flight[rank] = None
+                self.positions[rank] = step
+                self._losses[rank].append(loss)
+                self._total_steps += 1
+                if self._total_steps >= self._next_eval:
+                    self._evaluate()
+                started = node.now
+                yield from self.protocol.after_step(node, rank, step)
+                self.record_wait(rank, step, started)
+            self._finished[rank] = True
+            yield from self.protocol.finish(node, rank)
+        except simpy.Interrupt:
+            return
+
+    def _churn_program(self, rank: int) -> Program:
+        """Worker ``rank``'s leaves and joins from the churn schedule; it stops churning once it finished its steps."""
+        env = self.simulator.env
+        for leave, join in self.churn.intervals(rank, self.num_workers):
+            if leave > 0:  # a worker away from the start was never there
+                yield env.timeout(leave - env.now)
+                if self._finished[rank]:
+                    return
+                self._leave(rank)
+            if join is None:
+                return
+            yield env.timeout(join - env.now)
+            self._join(rank)
+
+    def _leave(self, rank: int) -> None:
+        """Worker ``rank`` leaves now: it stops computing and sending, and the protocol goes on without it."""
+        node = self.simulator.nodes[rank]
+        self.present[rank] = False
+        self.simulator.interrupt(rank)
+        node.set_present(False)
+        self.simulator.network.drop(rank)
+        self.protocol.leave(rank)
+        self.simulator.collectives.leave(rank)
+        self.result.churn.append({"worker": rank, "time": node.now, "event": "leave"})
+
+    def _join(self, rank: int) -> None:
+        """Worker ``rank`` comes back now; the protocol brings it in (:meth:`Protocol.join`) before it trains."""
+        node = self.simulator.nodes[rank]
+        self.present[rank] = True
+        node.set_present(True)
+        self.result.churn.append({"worker": rank, "time": node.now, "event": "join"})
+        self.simulator.spawn(rank, functools.partial(self._worker_program, joining=True))
 
     def _evaluate(self) -> None:
         start = time.perf_counter()
@@ -227,12 +317,13 @@ class Simulation:
             worker_row: dict[str, float] = {
                 "time": now,
                 "worker": rank,
+                "present": float(self.present[rank]),
                 "steps": replica.steps - (self._in_flight[rank] is not None),
                 "bytes": network.bytes_sent[rank],
             }
             if losses:
                 worker_row["train_loss"] = sum(losses) / len(losses)
-            if self.evaluate_workers:
+            if self.evaluate_workers and self.present[rank]:
                 worker_row.update(self.evaluator(self.worker_model(rank)))
             self.result.worker_rows.append(worker_row)
             losses.clear()
@@ -267,6 +358,12 @@ class Simulation:
                 "deterministic": self.speed.deterministic,
             },
             "seed": self.seed,
+            "churn": None if self.churn is None else {
+                **self.churn.config(),
+                "churning": self.churn.churning(self.num_workers),
+                "leaves": sum(event["event"] == "leave" for event in self.result.churn),
+                "joins": sum(event["event"] == "join" for event in self.result.churn),
+            },
             "num_parameters": self.replicas[0].vector.num_parameters,
             "model_bytes": self.replicas[0].get().nbytes,
             "virtual_seconds": virtual_seconds,

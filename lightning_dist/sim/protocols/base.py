@@ -63,6 +63,29 @@ class Protocol(ABC):
     def validate(self, num_workers: int, max_steps: int) -> None:
         """Raise a ValueError naming the parameter when this protocol cannot run on ``num_workers``."""
 
+    def check_churn(self) -> None:
+        """Raise a ValueError when this protocol cannot run with workers leaving and joining.
+
+        ``topology="strategy"`` moves what the lightning_dist strategy moves, and the strategies
+        cannot lose or gain a rank without a restart (README, "Workers that leave and join"), so
+        churn takes the papers' setting, ``topology="server"``.
+        """
+        if getattr(self, "topology", "server") == "strategy":
+            raise ValueError(
+                f"topology must be 'server' for protocol {self.name!r} with churn: 'strategy' moves what the "
+                "lightning_dist strategy moves, and the strategies cannot lose or gain a rank without a restart; "
+                "got topology='strategy'"
+            )
+
+    def leave(self, rank: int) -> None:
+        """Worker ``rank`` left at this instant (its programs were interrupted, its transfers dropped): forget
+        what waited for it. Called before the collectives drop it (:meth:`Collectives.leave`)."""
+
+    def join(self, node: Node, rank: int) -> Program:
+        """Bring worker ``rank``, back at this instant, into the protocol, as ``yield from``: set the model it
+        starts from and return the last step it counts as done (it trains on from the next)."""
+        raise NotImplementedError(f"protocol {self.name!r} does not support churn")
+
     def train_step(self, node: Node, rank: int, batch: Any) -> Program:
         """Worker ``rank``'s training step on ``batch``, as ``yield from``; returns the training loss.
 

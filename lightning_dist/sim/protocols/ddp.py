@@ -22,6 +22,16 @@ update after the all-reduce is an ``execute`` of kind ``"update"``: inside a mod
 
 DDP also broadcasts rank 0's buffers before every forward (``broadcast_buffers``); a module with
 floating-point buffers (BatchNorm) is refused rather than simulated without that broadcast.
+
+Churn (:mod:`lightning_dist.sim.churn`), as torchft runs DDP over a changing group: every step's
+all-reduce is among the workers present, its mean over their number. A step's members are fixed
+when the first of them starts it; a worker that leaves is dropped from the steps not yet reduced
+(a ring already running ends with its gradient in it). A joiner is admitted when the step in
+progress starts its ring (its last member has joined) and takes part from the next step: the
+lowest member of that step sends it the model once the step is applied (the replicas are
+identical), and it goes on from that step. If that member leaves first, another present member
+sends it; if no worker is left at all, the joiner starts from the model the last one left with,
+at its step (as from a checkpoint), without a transfer.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.averaging import accumulation_dtype
-from lightning_dist.sim.engine import Node
+from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol
 from lightning_dist.sim.replica import NonFiniteModelError
 
@@ -50,17 +60,96 @@ class DataParallel(Protocol):
                 "the ddp protocol needs a module without floating-point buffers (e.g. BatchNorm's running "
                 "statistics): DDP broadcasts rank 0's buffers before every forward, which it does not simulate"
             )
-        self.members = list(range(simulation.num_workers))
+        self.members = simulation.present_workers()
+        """The workers taking part in the steps not started yet."""
+        self.step_members: dict[int, list[int]] = {}  # members of each step once its first member started it
+        self.done = [0] * simulation.num_workers  # steps each worker has applied
+        self.waiting: list[int] = []  # joiners not yet admitted
+        self.owed: dict[int, tuple[int, list[int]]] = {}  # step -> (its sender, joiners it still owes the model)
+        self.left_with: tuple[Tensor, int] = (simulation.replicas[0].get(), 0)  # the last worker's model and step
 
     def train_step(self, node: Node, rank: int, batch: Any) -> Program:
         replica = self.simulation.replicas[rank]
+        step = self.done[rank] + 1
+        members = self.step_members.setdefault(step, list(self.members))
         loss = yield from node.execute(replica.compute_gradient, batch)
         started = node.now
         gradients = replica.gradients()
-        mean = yield from node.all_reduce(("gradient", replica.steps), self.members, gradients, self._mean)
-        self.simulation.record_wait(rank, replica.steps + 1, started)
+        mean = yield from node.all_reduce(("gradient", step), members, gradients, lambda grads: self._reduce(step, grads))
+        self.simulation.record_wait(rank, step, started)
         yield from node.execute(replica.apply_gradient, mean, kind="update")
+        self.done[rank] = step
+        self.step_members.pop(step - 1, None)
+        owed = self.owed.get(step)
+        if owed is not None and owed[0] in (rank, None):  # its sender, or the first to hold it if the sender left
+            self.owed[step] = (rank, owed[1])
+            self._send_state(rank, step)
         return loss
+
+    def _reduce(self, step: int, gradients: list[list[Tensor]]) -> Tensor:
+        """The all-reduce of ``step`` starts: its mean; the joiners waiting now take part from the next step."""
+        if self.waiting:
+            admitted, self.waiting = self.waiting, []
+            self.members = sorted(self.members + admitted)
+            self.owed[step] = (min(self.step_members[step]), admitted)
+        return self._mean(gradients)
+
+    def _send_state(self, sender: int, step: int) -> None:
+        """``sender`` (a present worker holding the model after ``step``) sends it to the joiners owed it (each
+        is struck off when it arrives, so a leaving sender's dropped transfers are sent again)."""
+        replica = self.simulation.replicas[sender]
+        for joiner in self.owed[step][1]:
+            self.simulation.simulator.nodes[sender].send(joiner, (replica.get(), step), tag="state")
+
+    def leave(self, rank: int) -> None:
+        self.members = [member for member in self.members if member != rank]
+        for members in self.step_members.values():
+            if rank in members:
+                members.remove(rank)
+        if rank in self.waiting:
+            self.waiting.remove(rank)
+        for step, (sender, joiners) in list(self.owed.items()):
+            if rank in joiners:
+                joiners.remove(rank)
+            if not joiners:
+                del self.owed[step]
+            elif sender == rank:  # another present worker holding the model after that step sends it
+                ready = [member for member in self.members if member not in joiners and self.done[member] == step]
+                self.owed[step] = (min(ready) if ready else None, joiners)
+                if ready:
+                    self._send_state(min(ready), step)
+        if not self.members:  # the last worker left: joiners start from its model, as from a checkpoint
+            replica = self.simulation.replicas[rank]
+            self.left_with = (replica.get(), self.done[rank])
+            self._admit_alone()
+
+    def _admit_alone(self) -> None:
+        """Admit the waiting joiners without a transfer, from the model the last worker left with."""
+        admitted, self.waiting = self.waiting, []
+        self.members = sorted(admitted)
+        for joiner in admitted:
+            node = self.simulation.simulator.nodes[joiner]
+            node.deliver(Message(joiner, "state", self.left_with, 0, node.now))
+
+    def join(self, node: Node, rank: int) -> Program:
+        """Wait for admission at the next step's start; take the model after it and go on from that step."""
+        self.waiting.append(rank)
+        if not self.members:
+            self._admit_alone()
+        model, step = (yield node.recv(tag="state")).payload
+        joiners = self.owed.get(step, (None, []))[1]
+        if rank in joiners:
+            joiners.remove(rank)
+            if not joiners:
+                del self.owed[step]
+        self.simulation.replicas[rank].set(model)
+        self.done[rank] = step
+        return step
+
+    def finish(self, node: Node, rank: int) -> Program:
+        """A worker that took its last step takes part in no further step."""
+        self.leave(rank)
+        yield from ()
 
     @staticmethod
     def _mean(gradients: list[list[Tensor]]) -> Tensor:

@@ -42,6 +42,15 @@ moves, with no coordinator node; every worker meets the others at every check:
   otherwise the members the rounds did not fetch send their models, and the coordinator sends the
   mean to the members and waits for those sends to finish (the strategy's ``star_average`` and
   its blocking send). Non-members go on after the last decision.
+
+Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`): the coordinator balances among the
+workers present. A balancing runs Algorithm 1 over the workers present when it opens (the
+violation counter compares with their number; ``B`` = all of them is a full synchronisation and
+sets the reference); the coordinator stops waiting for a member that leaves, and the mean is over
+the members whose models it holds and who are still present. Reports of a worker that left are
+dropped. A joiner sends a 1-byte request and starts from the reference model (the last full
+synchronisation's mean, buffers included), as its own reference, going on from its own step;
+a request arriving during a balancing is answered after it, with the new reference if it set one.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from lightning_dist.algorithms.averaging import (
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
+from lightning_dist.sim.protocols.membership import JOIN, LEFT, Membership, request_admission
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 _MODEL = "model"  # worker -> coordinator: (model, violated): a violation report, or the answer to a request
@@ -113,6 +123,8 @@ class DynamicAveraging(Protocol):
         initial = simulation.replicas[0]
         self.reference = initial.vector.parameters_of(initial.get()).clone()
         self.references = [self.reference] * simulation.num_workers
+        self.reference_model = initial.get()  # the reference with the buffers: what a joiner starts from
+        self.membership = Membership(simulation.present_workers())
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.violation_counter = 0
         self.balancings = 0
@@ -130,21 +142,31 @@ class DynamicAveraging(Protocol):
                 yield from self._check_as_strategy(node, rank, step // self.check_every)
             return
         if self._pending_request(node, rank):
-            yield from self._join(node, rank, violated=False)
+            yield from self._send_model(node, rank, violated=False)
         if step % self.check_every:
             return
         self.counts["checks"] = max(self.counts["checks"], step // self.check_every)
         replica = self.simulation.replicas[rank]
         parameters = replica.vector.parameters_of(replica.get())
         if not local_condition_holds(parameters, self.references[rank], self.divergence_threshold):
-            yield from self._join(node, rank, violated=True)
+            yield from self._send_model(node, rank, violated=True)
 
     def finish(self, node: Node, rank: int) -> Program:
         """After its last step a worker still answers requests: its model stays part of the average."""
         while True:
             request = yield node.recv(source=self.simulation.server, tag=_REQUEST)
             if request.payload > self._answered[rank]:
-                yield from self._join(node, rank, violated=False)
+                yield from self._send_model(node, rank, violated=False)
+
+    def leave(self, rank: int) -> None:
+        self.membership.leave(rank, self.simulation.simulator.nodes[self.simulation.server])
+
+    def join(self, node: Node, rank: int) -> Program:
+        """Start from the reference model (also as the worker's reference), going on from the worker's own step."""
+        model = yield from request_admission(node, self.simulation.server)
+        self.simulation.replicas[rank].set(model)
+        self.references[rank] = self._parameters(model).clone()
+        return self.simulation.positions[rank]
 
     def _pending_request(self, node: Node, rank: int) -> bool:
         """Whether a request of a balancing this worker has not answered yet has arrived (taken from
@@ -154,7 +176,7 @@ class DynamicAveraging(Protocol):
                 return True
         return False
 
-    def _join(self, node: Node, rank: int, violated: bool) -> Program:
+    def _send_model(self, node: Node, rank: int, violated: bool) -> Program:
         """Send this worker's model to the coordinator, wait, and take the balanced model."""
         replica = self.simulation.replicas[rank]
         model = replica.get()
@@ -254,12 +276,20 @@ class DynamicAveraging(Protocol):
         reports: dict[int, Tensor] = {}  # violation reports waiting for a balancing
         while True:
             if not reports:
-                message = yield node.recv(tag=_MODEL)
+                message = yield node.recv_any((_MODEL, JOIN, LEFT))
+                if message.tag != _MODEL:
+                    self.membership.handle(message)
+                    self.membership.admit(node, self.reference_model, self.reference_model.nbytes)
+                    continue
                 reports[message.source] = self._receive_model(message)
             yield node.sleep(0)  # reports arriving in the same instant join B
             while (message := node.recv_nowait(tag=_MODEL)) is not None:
                 reports[message.source] = self._receive_model(message)
-            yield from self._balance(node, reports)
+            for rank in [rank for rank in reports if rank not in self.membership.members]:
+                del reports[rank]  # its worker left
+            if reports:
+                yield from self._balance(node, reports)
+            self.membership.admit(node, self.reference_model, self.reference_model.nbytes)
 
     def _receive_model(self, message: Message) -> Tensor:
         model, violated = message.payload
@@ -270,16 +300,23 @@ class DynamicAveraging(Protocol):
     def _balance(self, node: Node, reports: dict[int, Tensor]) -> Program:
         """One balancing of Algorithm 1 over the queued reports; later reports stay in ``reports``."""
         self.balancings += 1
-        balancing, workers = self.balancings, self.simulation.num_workers
+        balancing = self.balancings
+        present = sorted(self.membership.members)  # Algorithm 1's m learners: those present now
+        position = {rank: index for index, rank in enumerate(present)}
         models = dict(reports)
         reports.clear()
-        rounds = balancing_rounds(sorted(models), workers, self.violation_counter, self._generator)
+        rounds = balancing_rounds([position[rank] for rank in sorted(models)], len(present), self.violation_counter,
+                                  self._generator)
         mean, averaged = None, None
         try:
             members, added = next(rounds)
             while True:
-                yield from self._fetch(node, added, models, reports, balancing)
-                mean = yield from node.execute(weighted_average, [models[r] for r in members], kind="aggregate")
+                members = [present[index] for index in members]
+                yield from self._fetch(node, [present[index] for index in added], models, reports, balancing)
+                held = self._held(members, models)
+                if not held:
+                    return  # every member left: nothing to balance
+                mean = yield from node.execute(weighted_average, held, kind="aggregate")
                 averaged = members
                 within = local_condition_holds(
                     self._parameters(mean), self.reference, self.divergence_threshold
@@ -287,17 +324,27 @@ class DynamicAveraging(Protocol):
                 members, added = rounds.send(within)
         except StopIteration as done:
             members, self.violation_counter = done.value
+            members = [present[index] for index in members]
         if members != averaged:  # a full synchronisation: the rounds stopped asking
             yield from self._fetch(node, [r for r in members if r not in models], models, reports, balancing)
-            mean = yield from node.execute(weighted_average, [models[r] for r in members], kind="aggregate")
-        full_sync = len(members) == workers
+            held = self._held(members, models)
+            if not held:
+                return
+            mean = yield from node.execute(weighted_average, held, kind="aggregate")
+        full_sync = len(members) == len(present)
         if full_sync and self.outer is not None:
             mean = self.outer.step(mean)
         if full_sync:
             self.reference = self._parameters(mean).clone()
+            self.reference_model = mean
         self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
         for rank in members:
-            node.send(rank, (balancing, mean, full_sync), tag=_BALANCED, nbytes=mean.nbytes)
+            if rank in self.membership.members:
+                node.send(rank, (balancing, mean, full_sync), tag=_BALANCED, nbytes=mean.nbytes)
+
+    def _held(self, members: list[int], models: dict[int, Tensor]) -> list[Tensor]:
+        """The models of ``members`` the coordinator holds whose workers are still present, in member order."""
+        return [models[rank] for rank in members if rank in models and rank in self.membership.members]
 
     def _fetch(
         self, node: Node, ranks: list[int], models: dict[int, Tensor], reports: dict[int, Tensor], balancing: int
@@ -305,7 +352,7 @@ class DynamicAveraging(Protocol):
         """Get the models of ``ranks``: from the queued reports, or by a request and the answer."""
         asked: set[int] = set()
         for rank in ranks:
-            if rank in models:
+            if rank in models or rank not in self.membership.members:
                 continue
             if rank in reports:
                 models[rank] = reports.pop(rank)
@@ -313,8 +360,11 @@ class DynamicAveraging(Protocol):
                 node.send(rank, balancing, tag=_REQUEST, nbytes=1)
                 asked.add(rank)
         while asked:
-            message = yield node.recv(tag=_MODEL)
-            if message.source in asked:
+            message = yield node.recv_any((_MODEL, JOIN, LEFT))
+            if message.tag != _MODEL:  # a joiner waits for the balancing's end; a member that left is not waited for
+                self.membership.handle(message)
+                asked &= self.membership.members
+            elif message.source in asked:
                 models[message.source] = self._receive_model(message)
                 asked.discard(message.source)
             else:

@@ -15,6 +15,13 @@ push and reply carries the strategy's 32-byte header. The server thread answers 
 send: it takes the next push only once its reply has arrived (modelled as the reply's arrival).
 ``max_staleness`` is refused there: the strategy's header round trip before a possibly stale
 update is not modelled.
+
+Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`): the server keeps serving. A
+leaving worker's push still on the wire is dropped; the synchronous server's rounds wait for the
+workers present and apply the mean of the updates of those present at the aggregation. A joiner
+sends a 1-byte request and starts from the published global model: at once, going on from its own
+step, with the asynchronous server; when the round in progress closes, at that round's step, with
+the synchronous one.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from lightning_dist.algorithms.parameter_server import (
 )
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology
+from lightning_dist.sim.protocols.membership import JOIN, LEFT, Membership, request_admission
 
 HEADER_BYTES = 4 * 8  # the strategy's header: kind, rank, version, spare as int64 (strategies/parameter_server.py)
 
@@ -79,6 +87,19 @@ class ParameterServer(Protocol):
         self.versions = [0] * simulation.num_workers
         self.published = (self.store.vector.clone(), self.store.version)
         self.server_node = simulation.server if self.topology == "server" else self.server_on_worker
+        self.membership = Membership(simulation.present_workers())
+
+    def leave(self, rank: int) -> None:
+        self.membership.leave(rank, self.simulation.simulator.nodes[self.server_node])
+
+    def join(self, node: Node, rank: int) -> Program:
+        """Start from the published global model: at once, from the worker's own step (asynchronous), or when the
+        round in progress closes, at its step (synchronous)."""
+        (vector, version), round_index = yield from request_admission(node, self.server_node)
+        replica = self.simulation.replicas[rank]
+        replica.set(vector)
+        self.pulled[rank], self.versions[rank] = replica.get(), version
+        return self.simulation.positions[rank] if round_index is None else round_index * self.push_every
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         if step % self.push_every:
@@ -93,27 +114,38 @@ class ParameterServer(Protocol):
         self.pulled[rank], self.versions[rank] = replica.get(), version
 
     def server(self, node: Node) -> Program:
-        workers = self.simulation.num_workers
+        membership = self.membership
         if self.synchronous:
-            for _ in range(self.rounds):
-                updates = {}
-                for _ in range(workers):
-                    message = yield node.recv(tag="push")
-                    check_finite(message.payload[0], message.source)
-                    updates[message.source] = message.payload
-                ordered = [(*updates[rank], rank) for rank in range(workers)]
-                yield from node.execute(self.store.push_round, ordered, kind="aggregate")
-                self.publish()
-                for rank in range(workers):
-                    yield from self._reply(node, rank)
-            return
-        for _ in range(self.rounds * workers):
-            message = yield node.recv(tag="push")
+            for round_index in range(1, self.rounds + 1):
+                yield from membership.wait_for_members(node, (self.published, round_index - 1), self._admit_bytes)
+                updates = yield from membership.collect(node, "push", sorted(membership.members))
+                for rank, (update, _) in updates.items():
+                    check_finite(update, rank)
+                if updates:  # else every worker left before its push arrived: the round changes nothing
+                    ordered = [(*updates[rank], rank) for rank in sorted(updates)]
+                    yield from node.execute(self.store.push_round, ordered, kind="aggregate")
+                    self.publish()
+                    for rank in sorted(updates):
+                        if rank in membership.members:
+                            yield from self._reply(node, rank)
+                membership.admit(node, (self.published, round_index), self._admit_bytes)
+            yield from membership.serve_joins(node, (self.published, self.rounds), self._admit_bytes)
+        while True:
+            message = yield node.recv_any(("push", JOIN, LEFT))
+            if message.tag != "push":
+                membership.handle(message)
+                membership.admit(node, (self.published, None), self._admit_bytes)
+                continue
             update, pulled_version = message.payload
             check_finite(update, message.source)
             yield from node.execute(self.store.push, update, pulled_version, message.source, kind="aggregate")
             self.publish()
             yield from self._reply(node, message.source)
+
+    @property
+    def _admit_bytes(self) -> int:
+        """A joiner's state: the published model and its version."""
+        return self._bytes(self.published[0])
 
     def _bytes(self, vector: Tensor) -> int:
         """A push's or reply's bytes: the vector and its version (8 bytes), or the strategy's header."""

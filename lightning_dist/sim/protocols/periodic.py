@@ -17,6 +17,12 @@ the others keep training. ``topology`` says which messages carry it:
 
 Both give the same models; only the time and the bytes of a round differ.
 
+Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`): the server averages the workers
+present. A round's participants are drawn from the workers present when it is first needed; the
+server waits for those still present and averages the models of those present at the
+aggregation. A joiner sends a 1-byte request, waits for the round in progress to close and starts
+from its mean (the last average), at that round's step (:mod:`~lightning_dist.sim.protocols.membership`).
+
 DiLoCo (``outer_optimizer``): the round's mean goes through the strategy's outer step
 (:class:`~lightning_dist.algorithms.outer.OuterStep`, one shared copy: the strategy's ranks step
 identical copies with the same mean) and every worker continues from its result. The outer step
@@ -37,6 +43,7 @@ from lightning_dist.algorithms.averaging import accumulation_dtype, sample_parti
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
+from lightning_dist.sim.protocols.membership import Membership, request_admission
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 
@@ -77,18 +84,30 @@ class PeriodicAveraging(Protocol):
         self._participants: list[list[int]] = []
         self.rounds = simulation.max_steps // self.period
         start = simulation.replicas[0]
+        self.last_mean = start.get()
+        self.membership = Membership(simulation.present_workers())
         self.outer = (
             None if self._outer_factory is None
             else OuterStep(start.vector.parameters_of(start.get()), self._outer_factory)
         )
 
     def participants(self, round_index: int) -> list[int]:
-        """Participants of round ``round_index`` (from 1), drawn in round order from the shared seed."""
+        """Participants of round ``round_index`` (from 1), drawn in round order from the shared seed among the
+        workers present when the round is first needed (all workers without churn)."""
         while len(self._participants) < round_index:
-            self._participants.append(
-                sample_participants(self.simulation.num_workers, self.client_fraction, self._generator)
-            )
+            members = sorted(self.membership.members)
+            drawn = sample_participants(len(members), self.client_fraction, self._generator) if members else []
+            self._participants.append([members[index] for index in drawn])
         return self._participants[round_index - 1]
+
+    def leave(self, rank: int) -> None:
+        self.membership.leave(rank, self.simulation.simulator.nodes[self.simulation.server])
+
+    def join(self, node: Node, rank: int) -> Program:
+        """Start from the mean of the round in progress when it closes (the last mean if none is), at its step."""
+        mean, round_index = yield from request_admission(node, self.simulation.server)
+        self.simulation.replicas[rank].set(mean)
+        return round_index * self.period
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         if step % self.period:
@@ -144,18 +163,24 @@ class PeriodicAveraging(Protocol):
         return mean
 
     def server(self, node: Node) -> Program:
+        membership, nbytes = self.membership, self.last_mean.nbytes
         for round_index in range(1, self.rounds + 1):
+            yield from membership.wait_for_members(node, (self.last_mean, round_index - 1), nbytes)
             participants = self.participants(round_index)
-            models = {}
-            for _ in participants:
-                message = yield node.recv(tag=("model", round_index))
-                check_finite(message.payload, message.source)
-                models[message.source] = message.payload
-            mean = yield from node.execute(weighted_average, [models[rank] for rank in participants], kind="aggregate")
-            if self.outer is not None:
-                mean = self.outer.step(mean)
-            for rank in participants:
-                node.send(rank, mean, tag=("mean", round_index))
+            models = yield from membership.collect(node, ("model", round_index), participants)
+            for rank, model in models.items():
+                check_finite(model, rank)
+            if models:  # else every participant left before its model arrived: the round keeps the last mean
+                mean = yield from node.execute(weighted_average, [models[rank] for rank in participants
+                                                                  if rank in models], kind="aggregate")
+                if self.outer is not None:
+                    mean = self.outer.step(mean)
+                for rank in participants:
+                    if rank in membership.members:
+                        node.send(rank, mean, tag=("mean", round_index))
+                self.last_mean = mean
+            membership.admit(node, (self.last_mean, round_index), nbytes)
+        yield from membership.serve_joins(node, (self.last_mean, self.rounds), nbytes)
 
     def metrics(self) -> dict[str, float]:
         return {} if self.outer is None else self.outer.metrics()
