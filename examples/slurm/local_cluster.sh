@@ -57,7 +57,8 @@ SlurmUser=root
 MailProg=/bin/true
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
+# cred_expire is also how long a requeued job waits before it may start again (SLURM's default: 120 s).
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=30
 CredType=cred/munge
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/%n
@@ -72,6 +73,7 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=5,sched_interval=5
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt

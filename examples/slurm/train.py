@@ -45,7 +45,7 @@ class RequeueAtStepBoundary(Callback):
     collective and one waiting in the step's collective wait for each other for ever. Here the
     handler only records the signal; after each training batch the ranks agree whether any got it
     (one small all-reduce) and then all run Lightning's own handler at the same point (hpc
-    checkpoint, loggers finalized, ``scontrol requeue`` from rank 0), and stop.
+    checkpoint, loggers finalized, ``scontrol requeue`` from rank 0), and stop (Requeued).
     """
 
     def __init__(self) -> None:
@@ -76,6 +76,9 @@ class RequeueAtStepBoundary(Callback):
             return
         print(f"rank {trainer.global_rank}: requeue signal, hpc checkpoint at global_step {trainer.global_step}", flush=True)
         trainer._signal_connector._slurm_sigusr_handler_fn(self._signum, None)
+        # The checkpoint is written: SLURM's SIGTERM, which follows the requeue, may end the process
+        # now. Lightning's SIGTERM handler would broadcast to ranks that are already gone.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Requeued(f"job requeued at global_step {trainer.global_step}")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -1,0 +1,77 @@
+#!/bin/bash
+# `make slurm-demo`: the sbatch example on a local 2-node SLURM cluster, once straight through and
+# once preempted. Starts the cluster (examples/slurm/local_cluster.sh), submits
+# examples/slurm/dynamic_avg.sbatch on CPU, then submits it again and, once the first checkpoint
+# is written, sends the requeue signal the way SLURM does before a time limit (SIGUSR1 to every
+# task: `scancel -s USR1`). Lightning's auto-requeue writes the hpc checkpoint and requeues the job,
+# which restarts under the same id and resumes from it. Prints the evidence and stops the cluster.
+# Settings (environment): TRAIN_ARGS (train.py arguments; default a run of about a minute on 2 CPU
+# cores), PYTHON (default .venv/bin/python), LD_SLURM_* (see local_cluster.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+HERE=examples/slurm
+TRAIN_ARGS=${TRAIN_ARGS:---epochs 40 --checkpoint-every 1000}
+export PYTHON=${PYTHON:-$PWD/.venv/bin/python}
+STATE=${LD_SLURM_DIR:-/tmp/ld-slurm}
+JOBS=$STATE/jobs
+
+submitted=()
+cleanup() {
+  [ ${#submitted[@]} -eq 0 ] || scancel "${submitted[@]}" 2>/dev/null || true
+  "$HERE/local_cluster.sh" stop
+}
+trap cleanup EXIT
+"$HERE/local_cluster.sh" start
+eval "$("$HERE/local_cluster.sh" env)"
+mkdir -p "$JOBS"
+
+job_state() { scontrol show job "$1" -o | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+
+# Wait until job $1 is in a final state (the requeue passes through REQUEUED and PENDING).
+wait_done() {
+  local deadline=$((SECONDS + 900))
+  until [[ "$(job_state "$1")" =~ ^(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)$ ]]; do
+    [ $SECONDS -lt $deadline ] || { echo "job $1 not done after 900 s" >&2; return 1; }
+    sleep 1
+  done
+}
+
+submit() {
+  # shellcheck disable=SC2086  # TRAIN_ARGS is a list of arguments
+  sbatch --parsable --output="$JOBS/%x-%j.out" "$HERE/dynamic_avg.sbatch" $TRAIN_ARGS
+}
+
+evidence() {
+  echo "--- job $1: scontrol"
+  scontrol show job "$1" | grep -E -o '(JobId|JobState|Requeue|Restarts|ExitCode|RunTime|NodeList)=[^ ]*' | tr '\n' ' '
+  echo
+  echo "--- job $1: job completion log ($STATE/log/jobcomp.log)"
+  grep "JobId=$1 " "$STATE/log/jobcomp.log" | grep -E -o '(JobId|JobState|StartTime|EndTime|NodeList|ExitCode)=[^ ]*' | paste -sd' ' | fold -w 160 || true
+  echo "--- job $1: output ($JOBS/lightning-dist-$1.out)"
+  grep -E "training from|requeue|Requeu|Restored|finished|Error|error" "$JOBS/lightning-dist-$1.out" || true
+}
+
+echo "=== 1. straight through: sbatch $HERE/dynamic_avg.sbatch $TRAIN_ARGS"
+start=$SECONDS
+plain=$(submit)
+submitted+=("$plain")
+wait_done "$plain"
+echo "job $plain done in $((SECONDS - start)) s"
+evidence "$plain"
+
+echo "=== 2. preempted: the same, with scancel -s USR1 once the first checkpoint exists"
+start=$SECONDS
+job=$(submit)
+submitted+=("$job")
+until [ -f "lightning_logs/slurm-$job/checkpoints/last.ckpt" ]; do
+  [ "$(job_state "$job")" = RUNNING ] || [ "$(job_state "$job")" = PENDING ] || { echo "job $job ended before its first checkpoint" >&2; exit 1; }
+  sleep 1
+done
+sleep 3
+echo "first checkpoint written; scancel -s USR1 $job after $((SECONDS - start)) s"
+scancel -s USR1 "$job"
+wait_done "$job"
+echo "job $job done in $((SECONDS - start)) s (submission to end, requeue included)"
+evidence "$job"
+ls "lightning_logs/slurm-$job"
+[ "$(job_state "$job")" = COMPLETED ] && [ "$(job_state "$plain")" = COMPLETED ]
