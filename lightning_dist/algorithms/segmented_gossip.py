@@ -20,11 +20,18 @@ draws the same plan, so a provider knows whom to serve without any request messa
 :class:`lightning_dist.strategies.SegmentedGossipStrategy` moves the segments between processes;
 :func:`gossip_round` applies a round to models held in one process (the simulator, and the
 definition the distributed strategy is tested against).
+
+Workers that leave and join (section 4.2): a puller that finds a provider unreachable marks it
+offline and requests the segment from another worker (:func:`substitute_provider`,
+:func:`requested_providers`); a joiner pulls every segment and aggregates them without a local
+model (:func:`aggregate_pulled` with ``include_local=False``). The simulator runs this
+(:mod:`lightning_dist.sim.protocols.segmented_gossip`); the strategy does not (its process group
+is fixed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -187,18 +194,95 @@ def aggregate(
             f"mixed must hold one model of {local.numel()} elements per replica ({providers.shape[1]}); "
             f"got shape {tuple(mixed.shape)}"
         )
-    sizes = dataset_sizes.tolist()
-    result = torch.empty_like(local)
+    pulled = []
     for segment, (start, stop) in enumerate(bounds):
         members = [rank] + providers[segment].tolist()
         if len(set(members)) != len(members):
             raise ValueError(
                 f"providers of segment {segment} must be distinct ranks other than {rank}; got {members[1:]}"
             )
-        rows = [local[start:stop]] + [mixed[replica, start:stop] for replica in range(len(members) - 1)]
-        order = sorted(range(len(members)), key=members.__getitem__)
-        result[start:stop] = weighted_average([rows[k] for k in order], [float(sizes[members[k]]) for k in order])
+        pulled.append({provider: mixed[replica, start:stop] for replica, provider in enumerate(members[1:])})
+    return aggregate_pulled(local, pulled, bounds, dataset_sizes, rank)
+
+
+def aggregate_pulled(
+    local: Tensor,
+    pulled: Sequence[Mapping[int, Tensor]],
+    bounds: Sequence[tuple[int, int]],
+    dataset_sizes: Tensor,
+    rank: int,
+    include_local: bool = True,
+) -> Tensor:
+    """Eq. (3) over the segments as they were pulled: ``pulled[l]`` maps each provider of segment ``l`` to it.
+
+    Segment ``l`` of the result is ``sum_{j in P_l} |D_j| W_j[l] / sum_{j in P_l} |D_j|`` with
+    ``P_l`` the providers of ``pulled[l]`` plus ``rank`` (``W_rank = local``), terms in ascending
+    rank order (as :func:`aggregate`, which this serves). Providers may differ in number from
+    segment to segment (section 4.2: a segment whose provider went offline comes from another
+    worker, or from fewer when no other is left). ``include_local=False`` is a joiner's
+    aggregation, "without its local model" (section 4.2): ``P_l`` is the providers alone, and a
+    segment nobody provided keeps ``local``'s values (the joiner has nothing else).
+    """
+    if len(pulled) != len(bounds):
+        raise ValueError(f"pulled must hold one mapping per segment ({len(bounds)}); got {len(pulled)}")
+    sizes = dataset_sizes.tolist()
+    result = torch.empty_like(local)
+    for segment, (start, stop) in enumerate(bounds):
+        terms = dict(pulled[segment])
+        if rank in terms:
+            raise ValueError(f"segment {segment} lists rank {rank} as its own provider")
+        if include_local or not terms:
+            terms[rank] = local[start:stop]
+        order = sorted(terms)
+        result[start:stop] = weighted_average([terms[j] for j in order], [float(sizes[j]) for j in order])
     return result
+
+
+def substitute_provider(
+    rank: int,
+    excluded: Collection[int],
+    load: Mapping[int, int],
+    offline: Collection[int],
+    world_size: int,
+    generator: torch.Generator,
+) -> int | None:
+    """Another worker to request a segment from, its provider being offline (paper 002, section 4.2).
+
+    Candidates are the workers other than ``rank``, not marked ``offline`` and not in ``excluded``
+    (the segment's other providers this round: they stay distinct). As section 4.1 spreads a
+    round's requests over as many workers as possible, the least loaded candidates (``load``:
+    requests already sent to each this round) are preferred, one drawn uniformly from them with
+    ``generator``. None when no candidate is left.
+    """
+    candidates = [peer for peer in range(world_size) if peer != rank and peer not in offline and peer not in excluded]
+    if not candidates:
+        return None
+    lightest = min(load.get(peer, 0) for peer in candidates)
+    candidates = [peer for peer in candidates if load.get(peer, 0) == lightest]
+    return candidates[int(torch.randint(len(candidates), (1,), generator=generator))]
+
+
+def requested_providers(
+    providers: Tensor, rank: int, offline: Collection[int], world_size: int, generator: torch.Generator
+) -> list[list[int]]:
+    """Whom ``rank`` requests each segment from this round: its row of :func:`pull_plan`, each provider it marks
+    offline replaced by :func:`substitute_provider` (dropped when none is left). ``providers`` is ``[S, R]``."""
+    chosen: list[list[int]] = []
+    load: dict[int, int] = {}
+    for planned in providers.tolist():
+        for peer in planned:
+            if peer not in offline:
+                load[peer] = load.get(peer, 0) + 1
+    for planned in providers.tolist():
+        segment = [peer for peer in planned if peer not in offline]
+        for _ in range(len(planned) - len(segment)):
+            peer = substitute_provider(rank, segment, load, offline, world_size, generator)
+            if peer is None:
+                break
+            segment.append(peer)
+            load[peer] = load.get(peer, 0) + 1
+        chosen.append(segment)
+    return chosen
 
 
 def gossip_round(models: Tensor, plan: Tensor, bounds: Sequence[tuple[int, int]], dataset_sizes: Tensor) -> Tensor:

@@ -12,9 +12,11 @@ the strategy moves, and the ``ddp`` protocol is Lightning's DDP (a gradient all-
                         max_steps=400, network=NetworkModel(latency=0.001, node_mbit=100, link_mbit=10),
                         speed=SpeedModel(step_seconds=0.02, aggregate_seconds=0.0)).run()
 
-or ``lightning-dist simulate --config configs/sim/segmented_gossip.yaml``.
+or ``lightning-dist simulate --config configs/sim/segmented_gossip.yaml``. Workers that leave and join:
+``Simulation(..., churn=Churn(fraction=0.3, leave_rate=0.05, mean_absence=10.0, seed=1))`` (:mod:`lightning_dist.sim.churn`).
 """
 
+from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Message, Node, Simulator, SpeedModel, payload_bytes
 from lightning_dist.sim.network import NetworkModel
 from lightning_dist.sim.protocols import (
@@ -32,6 +34,7 @@ from lightning_dist.sim.simulation import Simulation, SimulationResult
 
 __all__ = [
     "PROTOCOLS",
+    "Churn",
     "DataParallel",
     "DynamicAveraging",
     "Message",

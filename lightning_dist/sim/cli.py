@@ -5,6 +5,13 @@ protocol by ``name`` plus its arguments; ``network`` and ``speed`` are
 :class:`~lightning_dist.sim.network.NetworkModel` and :class:`~lightning_dist.sim.engine.SpeedModel`.
 Every value can be overridden on the command line (``--workers 64``, ``--network.latency 0.01``).
 Outputs go to ``--out``: ``metrics.csv``, ``workers.csv``, ``summary.json``, ``curves.png``.
+
+Workers leaving and joining (:class:`~lightning_dist.sim.churn.Churn`) are a ``churn`` mapping::
+
+    churn: {fraction: 0.3, leave_rate: 0.05, mean_absence: 10, seed: 1}   # random, seeded
+    churn: {absences: {3: [[2.0, 5.0]], 9: [[1.5, null]]}}                 # explicit virtual times
+
+(``--churn '{"fraction": 0.3, "leave_rate": 0.05, "mean_absence": 10}'`` on the command line).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any, Optional
 import lightning as L
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import SpeedModel
 from lightning_dist.sim.network import NetworkModel
 from lightning_dist.sim.protocols import make_protocol
@@ -39,12 +47,34 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--eval_every", type=int, default=10, help="average steps per worker between evaluations")
     parser.add_argument("--evaluate_workers", type=bool, default=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--churn",
+        type=Optional[dict[str, Any]],
+        default=None,
+        help="workers leaving and joining: {fraction, leave_rate, mean_absence, seed} (random) or "
+        "{absences: {worker: [[leave, join], ...]}} (virtual seconds; join null: never back)",
+    )
     parser.add_argument("--out", type=str, default="sim_out")
     parser.add_class_arguments(NetworkModel, "network")
     parser.add_class_arguments(SpeedModel, "speed")
     for name in ("num_features", "num_classes"):
         parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
     return parser
+
+
+def make_churn(config: dict[str, Any]) -> Churn:
+    """A :class:`Churn` from its config mapping; worker keys of ``absences`` may be strings of digits (JSON)."""
+    arguments = dict(config)
+    unknown = set(arguments) - {"absences", "fraction", "leave_rate", "mean_absence", "seed"}
+    if unknown:
+        raise ValueError(f"churn takes absences, fraction, leave_rate, mean_absence and seed; got {sorted(unknown)}")
+    absences = arguments.get("absences")
+    if isinstance(absences, dict):
+        arguments["absences"] = {
+            int(worker) if isinstance(worker, str) and worker.isdigit() else worker: pairs
+            for worker, pairs in absences.items()
+        }
+    return Churn(**arguments)
 
 
 def main(args: Optional[list[str]] = None) -> dict[str, Any]:
@@ -57,6 +87,7 @@ def main(args: Optional[list[str]] = None) -> dict[str, Any]:
             "protocol needs a name: one of parameter_server, periodic, fedavg, dynamic_avg, segmented_gossip"
         )
     protocol = make_protocol(protocol_arguments.pop("name"), **protocol_arguments)
+    churn = None if config.churn is None else make_churn(config.churn)
     L.seed_everything(config.seed, verbose=False)
     objects = parser.instantiate_classes(config)
     simulation = Simulation(
@@ -71,6 +102,7 @@ def main(args: Optional[list[str]] = None) -> dict[str, Any]:
         eval_every=config.eval_every,
         evaluate_workers=config.evaluate_workers,
         seed=config.seed,
+        churn=churn,
     )
     result = simulation.run()
     paths = write_report(result, config.out)
