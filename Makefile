@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 READY := $(VENV)/.ready
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench slurm-demo clean
 
 $(READY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ test: $(READY)
 
 bench: $(READY)
 	$(VENV)/bin/python benchmarks/averaging.py
+
+# Not part of `make test`: installs Debian's slurm-wlm and munge when absent (root, apt-get), runs the
+# sbatch example on a local 2-node SLURM cluster, preempts and requeues it, then stops the cluster.
+slurm-demo: $(READY)
+	examples/slurm/demo.sh
 
 clean:
 	rm -rf $(VENV)
