@@ -45,3 +45,27 @@ def test_simulate_refuses_bad_input_by_name(tmp_path, override, message):
         main(["simulate", "--config", str(REPO / "configs/sim/segmented_gossip.yaml"), *override,
               "--out", str(tmp_path)])
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_simulate_takes_a_churn_schedule(tmp_path):
+    main(["simulate", "--config", str(REPO / "configs/sim/periodic.yaml"), *SMALL, "--out", str(tmp_path),
+          "--churn", '{"absences": {"1": [[0.0, 0.02]], "2": [[0.01, null]]}}'])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["churn"]["churning"] == [1, 2]
+    assert summary["churn"]["leaves"] == 1 and summary["churn"]["joins"] == 1
+    assert "present" in (tmp_path / "workers.csv").read_text().splitlines()[0].split(",")
+
+
+@pytest.mark.parametrize(
+    ("churn", "message"),
+    [
+        ('{"fraction": 2, "leave_rate": 1}', r"churn.fraction must lie in \[0, 1\]"),
+        ('{"fraction": 0.5, "rate": 1}', "churn takes absences, fraction, leave_rate, mean_absence and seed"),
+        ('{"absences": {"7": [[1, 2]]}}', r"churn.absences names worker 7; workers are in \[0, 2\]"),
+    ],
+)
+def test_simulate_refuses_a_bad_churn_schedule_by_name(tmp_path, churn, message):
+    with pytest.raises(ValueError, match=message):
+        main(["simulate", "--config", str(REPO / "configs/sim/periodic.yaml"), *SMALL, "--churn", churn,
+              "--out", str(tmp_path)])
+    assert not (tmp_path / "summary.json").exists()
