@@ -95,19 +95,31 @@ EOF
 
 pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# Start a daemon without the descriptors this script inherited beyond stdin/out/err: a daemon
+# holding, say, the lock file of `flock LOCK make slurm-demo` would keep that lock until stopped.
+daemon() {
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      [ "$fd" -le 2 ] || eval "exec $fd>&-"
+    done
+    exec "$@"
+  )
+}
+
 start() {
   install_if_absent
   if pid_alive "$STATE/run/slurmctld.pid"; then
     echo "already running (stop it first to rewrite the config)"
   else
     write_config
-    pid_alive "$STATE/run/munged.pid" || munged --force --socket="$MUNGE_SOCKET" \
+    pid_alive "$STATE/run/munged.pid" || daemon munged --force --socket="$MUNGE_SOCKET" \
       --key-file="$STATE/munge/munge.key" --pid-file="$STATE/run/munged.pid" \
       --log-file="$STATE/log/munged.log" --seed-file="$STATE/munge/munged.seed"
     # -c: forget jobs of an earlier start; -i: ignore stale state files.
-    slurmctld -c -i -f "$CONF"
+    daemon slurmctld -c -i -f "$CONF"
     for k in $(seq 1 "$NODES"); do
-      slurmd -N "node$k" -f "$CONF"
+      daemon slurmd -N "node$k" -f "$CONF"
     done
   fi
   export SLURM_CONF=$CONF
