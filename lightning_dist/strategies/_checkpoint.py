@@ -119,7 +119,11 @@ class ReplicaCheckpoints:
         if state is None or not self._is_fitting():
             return
         written_by, rank = state["world_size"], self.comm.rank
-        replica = state["replicas"][nearest_saved_rank(rank, written_by)]
+        replicas = state["replicas"]
+        replica = replicas[nearest_saved_rank(rank, written_by)]
+        # Global counters first: a strategy whose counts are per rank (DownpourSGD's pushes) sets its own below.
+        self._local_steps = state["local_steps"]
+        self._syncs = state["syncs"]
         if written_by == self.comm.world_size:
             self.model_vector.set(replica["vector"].to(self.root_device))
             self._replicas_in_sync = state["replicas_in_sync"]
@@ -127,11 +131,11 @@ class ReplicaCheckpoints:
             self.load_protocol_state_dict(state["protocol"])
             self.load_worker_state_dict(replica.get("worker", {}))
         else:  # strategies/_resize.py: every replica continues from the consensus the module now holds
-            self.load_protocol_state_dict(self.resized_protocol_state(state["protocol"], written_by))
             self._replicas_in_sync = True
-            self.comm.stats = resized_comm_stats(state["replicas"], rank, self.comm.world_size)
-        self._local_steps = state["local_steps"]
-        self._syncs = state["syncs"]
+            self.comm.stats = resized_comm_stats([saved["comm"] for saved in replicas], rank, self.comm.world_size)
+            self.load_protocol_state_dict(self.resized_protocol_state(state["protocol"], written_by))
+            workers = [saved.get("worker", {}) for saved in replicas]
+            self.load_worker_state_dict(self.resized_worker_state(workers, written_by))
         self._generator.set_state(state["generator"])
         torch.set_rng_state(replica["torch_rng"])
         if replica["cuda_rng"]:

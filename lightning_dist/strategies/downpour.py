@@ -24,7 +24,7 @@ waits for the others and receives the final global model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,9 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dist._resize import counters_kept_in_total
 from lightning_dist.algorithms.arguments import check_flag, check_steps
 from lightning_dist.algorithms.parameter_server import GlobalModel, check_max_staleness, push_message
 from lightning_dist.comm import CommStats, Communicator, new_group
+from lightning_dist.strategies._resize import resized_comm_stats
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 from lightning_dist.strategies.parameter_server import SERVER_RANK, ParameterServer, ParameterServerClient
 
@@ -43,6 +45,15 @@ _SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 class DownpourSGDStrategy(LocalUpdateStrategy):
     """Asynchronous parameter-server training (DownpourSGD).
+
+    A checkpoint resumed by another number of processes (:mod:`lightning_dist.strategies._resize`)
+    keeps the server's state, which is one model's whoever pushed to it: the global model (in its
+    float32 master), its version and the server's counters (accepted, rejected, staleness); the
+    server stays on rank 0. What belongs to a worker is reset: every rank starts from the
+    checkpoint's model (the global model), as pulled at the server's version with no steps since a
+    push, and the server's per-worker buffer entries are the global model's buffers for each rank now
+    present (a worker's entry before its first push). Rank ``r`` takes saved rank ``r mod m``'s
+    optimizer and RNG states; pushes, rejected pushes and bytes are kept in total.
 
     Args:
         push_every: optimizer steps between pushes (``n_push`` of paper 000's DownpourSGD, default
@@ -248,6 +259,32 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
 
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
         self._restored_server = state["server"]
+
+    def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
+        """The server's global model, version and counters kept; its per-worker buffers reset to the global model's
+        for the ranks now present (their mean, the global model's buffers, is unchanged)."""
+        server = state["server"]
+        if server is None:  # saved before the server started: it starts from the consensus as in a new fit
+            return state
+        vector, worker_buffers = server["vector"], server["worker_buffers"]
+        buffers = vector[vector.numel() - worker_buffers.shape[1]:]
+        return {**state, "server": {**server, "worker_buffers": buffers.repeat(self.world_size, 1)}}
+
+    def resized_worker_state(self, saved: Sequence[Mapping[str, Any]], written_by: int) -> Mapping[str, Any]:
+        """A worker continues from the model it now holds (the checkpoint's), pulled at the server's version, with
+        no steps since a push; its pushes, rejected pushes and bytes on the server's group are kept in total."""
+        rank, world_size = self.comm.rank, self.world_size
+        pushes, rejected = counters_kept_in_total(
+            [[worker["pushes"], worker["rejected_pushes"]] for worker in saved], rank, world_size)
+        server = self._restored_server
+        return {
+            "pulled": self.model_vector.get().cpu(),
+            "pulled_version": 0 if server is None else int(server["version"]),
+            "steps_since_push": 0,
+            "rejected_pushes": rejected,
+            "pushes": pushes,
+            "ps_comm": resized_comm_stats([worker["ps_comm"] for worker in saved], rank, world_size).state_dict(),
+        }
 
     def worker_state_dict(self) -> dict[str, Any]:
         ps_stats = self._ps_comm.stats.state_dict() if self._ps_comm is not None else None

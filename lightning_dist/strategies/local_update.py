@@ -160,11 +160,13 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
     def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
         """``protocol_state_dict`` of a checkpoint written by ``written_by`` processes, for this world size.
 
-        Refused unless a strategy says how its protocol state carries over (strategies/_resize.py).
+        Called on every rank before :meth:`resized_worker_state`. Refused unless a strategy says how its
+        protocol state carries over (every strategy of this package does; strategies/_resize.py).
         """
         raise ValueError(
-            f"{type(self).__name__} cannot resume at another world size yet: the checkpoint was written by "
-            f"{written_by} processes, this run has {self.comm.world_size} (devices * num_nodes)"
+            f"{type(self).__name__} cannot resume at another world size: it does not say how its protocol state "
+            f"carries over (override resized_protocol_state); the checkpoint was written by {written_by} processes, "
+            f"this run has {self.world_size} (devices * num_nodes)"
         )
 
     def worker_state_dict(self) -> dict[str, Any]:
@@ -173,6 +175,14 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
 
     def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``worker_state_dict`` returned on this rank."""
+
+    def resized_worker_state(self, saved: Sequence[Mapping[str, Any]], written_by: int) -> Mapping[str, Any]:
+        """This rank's ``worker_state_dict`` from the ``written_by`` saved ranks' (``saved[k]`` is rank ``k``'s).
+
+        Called when resuming at another world size, after the protocol state is loaded and while the
+        replica holds the checkpoint's consensus. Empty by default: a rank's own protocol state is reset.
+        """
+        return {}
 
     def consensus(self, purpose: str) -> Tensor:
         """The one model every rank evaluates, checkpoints and ends ``fit`` with (a collective).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,13 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
     weights equally, with a warning. The model used for validation, checkpoints and the end of
     ``fit`` is the same weighted mean over all ranks, the global model of paper 002's analysis
     (FedAvg's aggregate). Optimizer state stays local.
+
+    A checkpoint resumed by another number of processes (:mod:`lightning_dist.strategies._resize`)
+    starts every replica from its consensus, the weighted mean above, and rank ``r`` takes saved rank
+    ``r mod m``'s optimizer and RNG states. What depends on the world size is rebuilt, not
+    translated: each round draws its pull plan for the ranks now present (from the shared generator,
+    kept), ``|D_j|`` is gathered again at the start of ``fit`` for the new partition, and the last
+    round's link counts (per rank and fewest/most) are reset to 0; the round count goes on.
 
     Args:
         segments: ``S >= 1``, segments the model vector is split into; at most its number of
@@ -196,6 +203,15 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         self._rounds = state["rounds"]
         self._links_min = state["links_min"]
         self._links_max = state["links_max"]
+
+    def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
+        """Rounds are counted over the run and kept; the fewest/most links describe the last round's plan among
+        ``written_by`` ranks and are reset (plans themselves are drawn per round for the ranks present)."""
+        return {"rounds": state["rounds"], "links_min": 0, "links_max": 0}
+
+    def resized_worker_state(self, saved: Sequence[Mapping[str, Any]], written_by: int) -> Mapping[str, Any]:
+        """Reset: a rank's segments and links of the last round, whose plan was drawn for ``written_by`` ranks."""
+        return {"segments_received": 0, "pull_links": 0, "links": 0}
 
     def worker_state_dict(self) -> dict[str, Any]:
         return {"segments_received": self._segments_received, "pull_links": self._pull_links, "links": self._links}

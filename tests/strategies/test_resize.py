@@ -1,5 +1,8 @@
 """Which saved rank each rank takes after when a checkpoint is resumed at another world size (one process)."""
 
+import pytest
+import torch
+
 from lightning_dist.comm import CommStats
 from lightning_dist.strategies._resize import nearest_saved_rank, resized_comm_stats
 
@@ -10,9 +13,54 @@ def test_resized_comm_stats_keep_the_total():
     for rank, nbytes in enumerate((100, 20, 3)):
         stats = CommStats(syncs=7)
         stats.record("protocol", nbytes, rank + 1)
-        saved.append({"comm": stats.state_dict()})
+        saved.append(stats.state_dict())
     shrunk = [resized_comm_stats(saved, rank, 2) for rank in range(2)]
     assert [s.protocol_bytes for s in shrunk] == [103, 20] and [s.messages for s in shrunk] == [4, 2]
     grown = [resized_comm_stats(saved, rank, 4) for rank in range(4)]
     assert [s.protocol_bytes for s in grown] == [100, 20, 3, 0] and all(s.syncs == 7 for s in grown)
     assert [nearest_saved_rank(rank, 3) for rank in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_a_strategy_without_a_resize_rule_refuses_another_world_size_by_name():
+    """Every strategy of the package says how its protocol state carries over; a user's subclass that does not is
+    refused by name before anything is loaded (no process group needed: the world size is devices * num_nodes)."""
+    from lightning_dist.strategies import LocalUpdateStrategy
+
+    class OwnProtocol(LocalUpdateStrategy):
+        def after_local_step(self, step: int) -> None:
+            pass
+
+    strategy = OwnProtocol(parallel_devices=[torch.device("cpu")] * 2)
+    with pytest.raises(ValueError) as refused:
+        strategy.resized_protocol_state({}, written_by=3)
+    assert str(refused.value) == (
+        "OwnProtocol cannot resume at another world size: it does not say how its protocol state carries over "
+        "(override resized_protocol_state); the checkpoint was written by 3 processes, this run has 2 "
+        "(devices * num_nodes)"
+    )
+
+
+def test_downpour_keeps_the_server_and_resets_its_per_worker_buffers():
+    """3 -> 2: the global model, version and counters are kept; each worker's buffer entry is the global model's
+    buffers (the server's buffers are the mean of the entries, so unchanged), and the next push replaces one entry:
+    buffers = mean(pushed, global's) as for a worker's first push in a new run."""
+    from lightning_dist.algorithms.parameter_server import GlobalModel, push_message
+    from lightning_dist.strategies import DownpourSGDStrategy
+
+    start = torch.tensor([1.0, 2.0, 10.0, 20.0])  # two parameters, then two buffers
+    saved = GlobalModel(start, num_parameters=2, workers=3)
+    for rank, buffers in enumerate(([12.0, 26.0], [16.0, 20.0], [11.0, 23.0])):
+        local = torch.tensor([1.0 + rank, 2.0, *buffers])
+        saved.push(push_message(local, saved.vector, 2), saved.version, rank)
+    state = {"server": saved.state_dict()}
+    assert not torch.equal(state["server"]["worker_buffers"][0], state["server"]["worker_buffers"][1])
+    resized = DownpourSGDStrategy(parallel_devices=[torch.device("cpu")] * 2).resized_protocol_state(state, 3)
+
+    server = GlobalModel(torch.zeros(4), num_parameters=2, workers=2)
+    server.load_state_dict(resized["server"])
+    assert torch.equal(server.vector, saved.vector) and server.version == saved.version == 3
+    assert server.accepted == 3 and server.staleness_max == saved.staleness_max
+    assert torch.equal(server.vector[2:], torch.tensor([13.0, 23.0]))  # the three workers' mean
+    assert torch.equal(server.worker_buffers, torch.tensor([[13.0, 23.0], [13.0, 23.0]]))
+    server.push(push_message(torch.tensor([0.0, 0.0, 17.0, 27.0]), server.vector, 2), server.version, 1)
+    assert torch.equal(server.vector[2:], torch.tensor([15.0, 25.0]))

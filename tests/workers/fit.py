@@ -1,6 +1,8 @@
 """Worker for multi-process strategy tests: one Lightning fit under torchrun, results per rank.
 
-Usage: torchrun --nproc_per_node=N fit.py spec.json (see tests/helpers/launch.py).
+Usage: torchrun --nproc_per_node=N fit.py spec.json (see tests/helpers/launch.py). With ``runs`` (a list of
+spec overrides, each with a ``name``), the fits run one after another in the same processes (starting ranks
+costs more than these fits) and each writes ``<out>/<name>/rank<r>.pt``.
 """
 
 import json
@@ -38,6 +40,15 @@ class RecordStepZeroVector(Callback):
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if "runs" not in spec:
+        fit(spec)
+    for overrides in spec.get("runs", []):
+        out = Path(spec["out"]) / overrides["name"]
+        out.mkdir(exist_ok=True)
+        fit({**spec, **overrides, "out": str(out)})
+
+
+def fit(spec: dict) -> None:
     out = Path(spec["out"])
     L.seed_everything(spec.get("seed", 0) + 0, workers=True)
     strategy_spec = spec["strategy"]
