@@ -14,6 +14,9 @@ TRAIN_ARGS=${TRAIN_ARGS:---epochs 40 --checkpoint-every 1000}
 export PYTHON=${PYTHON:-$PWD/.venv/bin/python}
 STATE=${LD_SLURM_DIR:-/tmp/ld-slurm}
 JOBS=$STATE/jobs
+# Job ids start again at 1 on a new cluster: keep this demo's runs apart from any earlier ones.
+export RUN_ROOT=$STATE/runs
+rm -rf "$RUN_ROOT"
 
 submitted=()
 cleanup() {
@@ -63,7 +66,7 @@ echo "=== 2. preempted: the same, with scancel -s USR1 once the first checkpoint
 start=$SECONDS
 job=$(submit)
 submitted+=("$job")
-until [ -f "lightning_logs/slurm-$job/checkpoints/last.ckpt" ]; do
+until [ -f "$RUN_ROOT/slurm-$job/checkpoints/last.ckpt" ]; do
   [ "$(job_state "$job")" = RUNNING ] || [ "$(job_state "$job")" = PENDING ] || { echo "job $job ended before its first checkpoint" >&2; exit 1; }
   sleep 1
 done
@@ -73,5 +76,5 @@ scancel -s USR1 "$job"
 wait_done "$job"
 echo "job $job done in $((SECONDS - start)) s (submission to end, requeue included)"
 evidence "$job"
-ls "lightning_logs/slurm-$job"
+ls "$RUN_ROOT/slurm-$job"
 [ "$(job_state "$job")" = COMPLETED ] && [ "$(job_state "$plain")" = COMPLETED ]
