@@ -7,6 +7,9 @@
 # which restarts under the same id and resumes from it. Prints the evidence and stops the cluster.
 # Settings (environment): TRAIN_ARGS (train.py arguments; default a run of about a minute on 2 CPU
 # cores), PYTHON (default .venv/bin/python), LD_SLURM_* (see local_cluster.sh).
+# Recorded run (2 CPU cores, 148 s in all): job 3 straight through, COMPLETED in 52 s at global_step
+# 10000; job 4 signalled 17 s after submission, hpc checkpoint and requeue at global_step 1509,
+# pending 32 s, restarted (Restarts=1), "training from global_step 1509", COMPLETED at 10000.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=examples/slurm

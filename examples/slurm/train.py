@@ -75,15 +75,18 @@ class RequeueAtStepBoundary(Callback):
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         self._signalled = True
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._signum is None or not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
             return
-        print(f"rank {trainer.global_rank}: requeue signal, hpc checkpoint at global_step {trainer.global_step}", flush=True)
+        step = trainer.global_step
+        print(f"rank {trainer.global_rank}: requeue signal, hpc checkpoint at global_step {step}", flush=True)
         trainer._signal_connector._slurm_sigusr_handler_fn(self._signum, None)
         # The checkpoint is written: SLURM's SIGTERM, which follows the requeue, may end the process
         # now. Lightning's SIGTERM handler would broadcast to ranks that are already gone.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Requeued(f"job requeued at global_step {trainer.global_step}")
+        raise Requeued(f"job requeued at global_step {step}")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._signum is not None:
@@ -123,7 +126,9 @@ def main() -> None:
     strategy = lightning_dist.DynamicAveragingStrategy(
         divergence_threshold=args.divergence_threshold, check_every=args.check_every
     )
-    checkpoints = ModelCheckpoint(dirpath=root_dir / "checkpoints", every_n_train_steps=args.checkpoint_every, save_last=True)
+    checkpoints = ModelCheckpoint(
+        dirpath=root_dir / "checkpoints", every_n_train_steps=args.checkpoint_every, save_last=True
+    )
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, num_nodes=args.nodes,
                         strategy=strategy, max_epochs=args.epochs, max_steps=args.max_steps,
                         default_root_dir=root_dir, callbacks=[checkpoints, RequeueAtStepBoundary()],
