@@ -169,9 +169,7 @@ class SegmentedGossip(Protocol):
         local = replica.get()
         check_finite(local, rank)
         self.boundary[rank] = (round_index, local)
-        for (puller, wanted), segments in list(self.requests[rank].items()):
-            if wanted <= round_index:
-                self._serve(rank, puller, wanted, segments)
+        self._serve_held(rank)
         if self.pull_round[rank] != round_index:  # the first round: nothing was requested before it
             self._request_round(rank, round_index)
         pulled = yield from self._pull(node, rank, round_index)
@@ -196,9 +194,16 @@ class SegmentedGossip(Protocol):
                                          self.simulation.dataset_sizes, rank, False, kind="aggregate")
         replica.set(merged)
         self.boundary[rank] = (round_index, merged)
+        self._serve_held(rank)  # requests that reached it while it was joining (its old model was too old)
         if (round_index + 1) * self.period <= self.simulation.max_steps:
             self._request_round(rank, round_index + 1)
         return round_index * self.period
+
+    def _serve_held(self, rank: int) -> None:
+        """Serve the requests ``rank`` holds for rounds its latest model has reached."""
+        for (puller, wanted), segments in list(self.requests[rank].items()):
+            if wanted <= self.boundary[rank][0]:
+                self._serve(rank, puller, wanted, segments)
 
     def _request_round(self, rank: int, round_index: int) -> None:
         """Send ``rank``'s requests for ``round_index``: its plan row (round 1's for round 0, a joiner's) with the
