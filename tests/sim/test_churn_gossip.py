@@ -164,3 +164,33 @@ def test_a_joiner_pulls_every_segment_and_aggregates_without_a_local_model():
     assert all(5 not in sim.protocol.offline[provider] for provider in asked)
     assert sim.positions[5] == 15 and (5, 2) in protocol.pulls
     assert [event["position"] for event in result.churn if event["event"] == "joined"] == [PERIOD]
+
+
+def test_a_joiner_serves_the_requests_that_reached_it_while_it_joined_as_soon_as_it_has_that_round():
+    """Worker 0 is twice as slow, so it requests round 1 at 0.1 s, from worker 3 too (it never found worker 3
+    away). Worker 3 left at 0.015 s and is joining from 0.099 s: the request reaches it mid-join, while it holds
+    only its initial model. It serves it when its join aggregation gives it round 1's model, not a local update
+    later (about 0.05 s, every step of worker 0 waiting)."""
+
+    class Served(Recorded):
+        def setup(self, simulation):
+            super().setup(simulation)
+            self.served = []
+
+        def _serve(self, provider, puller, round_index, segments):
+            self.served.append((provider, puller, round_index, self.simulation.simulator.env.now))
+            super()._serve(provider, puller, round_index, segments)
+
+    protocol = Served(segments=3, replicas=2, period=PERIOD, seed=0)
+    sim = simulation(protocol, workers=6, max_steps=15, datamodule=DigitsDataModule(batch_size=16, partition="dirichlet",
+                                                                                     seed=0),
+                     speed=SpeedModel(step_seconds=0.01, aggregate_seconds=0.001, slowdown={0: 2.0}),
+                     churn=Churn(absences={3: [(0.015, 0.099)]}))
+    result = sim.run()
+    joined = next(event for event in result.churn if event["event"] == "joined")
+    assert joined["position"] == PERIOD  # round 1's model
+    request = requests_of(protocol, 0, 1)[0]
+    assert 3 in request["providers"] and 0.099 < request["time"] < joined["time"]
+    assert [time for provider, puller, round_index, time in protocol.served
+            if (provider, puller, round_index) == (3, 0, 1)] == [joined["time"]]
+    assert any(3 in providers for providers in protocol.pulls[(0, 1)])
