@@ -28,7 +28,7 @@ Plain torch: no Lightning, no process groups. The callback
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -144,6 +144,54 @@ class LossHistory:
         self._m2 = state["m2"].clone()
         self._epoch_latest = state["epoch_latest"].clone()
         self.epochs_completed = int(state["epochs_completed"])
+
+
+def merge_histories(histories: Sequence[LossHistory], records: Optional[Tensor] = None) -> LossHistory:
+    """One history of the records at dataset indices ``records`` (None: all) from several ranks' histories.
+
+    DataGossip resumed at another world size gives each rank the history of the records it now
+    owns, from the histories every saved rank kept. A record one history holds (each record on one
+    rank, a fixed partition) keeps its entries unchanged. A record several hold (a sampler that
+    deals out a fresh split every epoch) gets the statistics of all its per-epoch losses: visits and
+    epochs recorded add up, and mean and variance combine exactly by the pairwise update of Chan,
+    Golub and LeVeque (1979), ``M2 = M2_a + M2_b + delta^2 n_a n_b / (n_a + n_b)``. Its latest loss
+    (and this epoch's, for a history saved mid-epoch) comes from the history that trained it most
+    often, the first on ties: the histories do not say which rank trained it last. Records outside
+    ``records`` start afresh, as unseen.
+    """
+    if not histories:
+        raise ValueError("histories must hold at least one LossHistory; got none")
+    num_records = histories[0].num_records
+    if any(history.num_records != num_records for history in histories):
+        sizes = [history.num_records for history in histories]
+        raise ValueError(f"histories must cover the same dataset; they cover {sizes} records")
+    merged = LossHistory(num_records)
+    most_visits = torch.full((num_records,), -1, dtype=torch.int64)
+    for history in histories:
+        count_a, count_b = merged.epochs_recorded, history.epochs_recorded
+        total = count_a + count_b
+        delta = history.mean - merged.mean
+        share = total.clamp(min=1).double()
+        mean = merged.mean + delta * count_b / share
+        m2 = merged._m2 + history._m2 + delta * delta * count_a * count_b / share
+        # Copied where only one side has epochs, so that a record held once keeps its values bit for bit.
+        merged.mean = torch.where(count_a == 0, history.mean, torch.where(count_b == 0, merged.mean, mean))
+        merged._m2 = torch.where(count_a == 0, history._m2, torch.where(count_b == 0, merged._m2, m2))
+        merged.epochs_recorded = total
+        more = history.visits > most_visits
+        merged.latest = torch.where(more, history.latest, merged.latest)
+        this_epoch = ~torch.isnan(history._epoch_latest) & (more | torch.isnan(merged._epoch_latest))
+        merged._epoch_latest = torch.where(this_epoch, history._epoch_latest, merged._epoch_latest)
+        most_visits = torch.where(more, history.visits, most_visits)
+        merged.visits = merged.visits + history.visits
+        merged.epochs_completed = max(merged.epochs_completed, history.epochs_completed)
+    if records is not None:
+        fresh = LossHistory(num_records)
+        drop = torch.ones(num_records, dtype=torch.bool)
+        drop[torch.as_tensor(records, dtype=torch.int64)] = False
+        for name in ("latest", "visits", "epochs_recorded", "mean", "_m2", "_epoch_latest"):
+            setattr(merged, name, torch.where(drop, getattr(fresh, name), getattr(merged, name)))
+    return merged
 
 
 # ---------------------------------------------------------------------------------------- helpers

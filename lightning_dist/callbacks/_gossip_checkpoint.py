@@ -1,4 +1,5 @@
-"""DataGossip's checkpoint state: every rank's part, gathered to rank 0, and given back on resume.
+"""DataGossip's checkpoint state: every rank's part, gathered to rank 0, and given back on resume,
+by the same number of processes or another (:func:`resized_rank_state`).
 
 :class:`GossipCheckpoint` is mixed into :class:`~lightning_dist.callbacks.DataGossip` and works on
 its attributes; the hooks that decide when to save and restore stay there.
@@ -6,13 +7,16 @@ its attributes; the hooks that decide when to save and restore stay there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 
+from lightning_dist._resize import counters_kept_in_total
+from lightning_dist.algorithms.selection import LossHistory, merge_histories
 from lightning_dist.callbacks._exchange import all_gather_rows, wire_bytes
 
 _STATE_FORMAT = 1
@@ -63,27 +67,30 @@ class GossipCheckpoint:
             },
         }
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
-        """Apply a loaded state on every rank, then replay the exchange that was in flight (collective)."""
+    def _restore(self, state: Mapping[str, Any], owned: Optional[Tensor]) -> None:
+        """Apply a loaded state on every rank, then replay the exchange that was in flight (collective).
+
+        ``owned``: the dataset indices this rank's sampler holds for good (None: it deals out a fresh
+        split every epoch, or does not say), for a checkpoint written by another number of processes.
+        """
         assert self._history is not None and self._codec is not None
         ranks = state.get("ranks")
         if ranks is None:
             rank_zero_warn("DataGossip: the checkpoint holds no per-rank DataGossip state (written after a failure); "
                            "starting with empty loss histories and foreign buffers")
             return
-        if len(ranks) != self._world_size:
-            raise ValueError(
-                f"the DataGossip state in the checkpoint was written by {len(ranks)} processes; resuming needs the "
-                f"same number (devices * num_nodes), got {self._world_size}"
-            )
-        local = ranks[self._rank]
+        if len(ranks) == self._world_size:
+            local = ranks[self._rank]
+        else:
+            local = resized_rank_state(ranks, self._rank, self._world_size, owned)
         if local["record_format"] is not None and local["record_format"] != self._codec.describe():
             raise ValueError(
                 f"the checkpoint's records were {local['record_format']}; this dataset's are {self._codec.describe()}"
             )
         if local["history"] is not None:
             self._history.load_state_dict(local["history"])
-        self._generator.set_state(local["generator"])
+        if local["generator"] is not None:
+            self._generator.set_state(local["generator"])
         self._foreign_rows = local["foreign_rows"]
         self._foreign_records = self._codec.decode(self._foreign_rows) if self._foreign_rows is not None else []
         self._foreign_order = local["foreign_order"].clone()
@@ -105,3 +112,44 @@ class GossipCheckpoint:
             self._adopt(gathered, self._calls)
         elif local["received"] is not None:
             self._adopt(local["received"], 0)
+
+
+def resized_rank_state(
+    ranks: Sequence[Mapping[str, Any]], rank: int, world_size: int, owned: Optional[Tensor]
+) -> dict[str, Any]:
+    """Rank ``rank``'s part of a checkpoint written by ``len(ranks)`` processes, for a run of ``world_size``.
+
+    The rule (issue 18): the rank keeps the loss history of the records it now owns, taken from
+    every saved rank's history (:func:`~lightning_dist.algorithms.selection.merge_histories`):
+    with a fixed partition (``owned``, e.g. ``PartitionSampler.part`` at the new world size) the
+    entries of exactly those records, unchanged; with a sampler that deals out a fresh split every
+    epoch (``owned`` None), where every rank reads every record over the epochs, the history of all
+    records. The foreign buffer, a finished exchange not yet adopted and the exchange in flight are
+    dropped: the saved ranks selected them for the old partition and the old ranks' buffers, and an
+    all-gather of the old ranks cannot be replayed by another number. The first epoch after the
+    resume therefore trains on local records only, like a run's first epoch, and exchanges start
+    again at its end. A rank that existed keeps its selector RNG; a new rank starts from its seed,
+    as in a fresh run. The counters are kept in total (``lightning_dist/_resize.py``).
+    """
+    histories = []
+    for saved in ranks:
+        if saved["history"] is not None:
+            history = LossHistory(int(saved["history"]["num_records"]))
+            history.load_state_dict(saved["history"])
+            histories.append(history)
+    names = list(ranks[0]["counters"])
+    counters = counters_kept_in_total([[saved["counters"][name] for name in names] for saved in ranks], rank, world_size)
+    formats = [saved["record_format"] for saved in ranks if saved["record_format"] is not None]
+    return {
+        "history": merge_histories(histories, owned).state_dict() if histories else None,
+        "generator": ranks[rank]["generator"] if rank < len(ranks) else None,
+        "foreign_rows": None,
+        "foreign_order": torch.zeros(0, dtype=torch.int64),
+        "foreign_position": 0,
+        "received": None,
+        "pending": None,
+        "last_payload": None,
+        "selected_indices": None,
+        "record_format": formats[0] if formats else None,
+        "counters": dict(zip(names, counters)),
+    }

@@ -69,6 +69,13 @@ def local_pool(loader: DataLoader) -> Optional[Tensor]:
     return None
 
 
+def owned_records(loader: DataLoader) -> Optional[Tensor]:
+    """The dataset indices this rank's sampler holds for good (its ``part``, as ``PartitionSampler`` has);
+    None for a sampler that deals out a fresh split every epoch, or that does not say."""
+    part = getattr(getattr(loader.batch_sampler, "sampler", None), "part", None)
+    return None if part is None else torch.as_tensor(part, dtype=torch.int64)
+
+
 def examples_per_epoch(loader: DataLoader) -> int:
     """How many examples this rank reads per epoch: its sampler's length, else its batches times the batch size."""
     sampler = getattr(loader.batch_sampler, "sampler", None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 
+from lightning_dist._resize import counters_kept_in_total
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.balancing import PairBalancer
 from lightning_dist.algorithms.projection import CountSketch
@@ -103,7 +104,15 @@ class CDGraB(Callback):
     Checkpoints: the state holds every rank's current order and position in the epoch, and the
     order server's signs and running sum (gathered to rank 0, which writes the file). Resuming at
     an epoch end or in the middle of an epoch (the sampler skips the examples already read)
-    continues with the same orders as the uninterrupted run.
+    continues with the same orders as the uninterrupted run. A checkpoint written by another
+    number of processes resumes too, with the partition of the new world size: the saved orders
+    and the herding state (signs, running sum) belong to the old ranks' parts and are dropped, and
+    ordering restarts from the sampler's seeded random permutation of the resumed epoch for each
+    rank's new part (what D-RR reads), balanced again from there on, so the epoch after it is
+    balanced. The sampler starts at the batch where Lightning resumes, which after a checkpoint
+    written within an epoch is the old ranks' batch count (``_restore_resized`` gives the rule).
+    ``bytes_sent`` and ``seconds`` are kept in total over the ranks (rank 0 takes those of ranks
+    that went away).
     """
 
     def __init__(
@@ -145,6 +154,9 @@ class CDGraB(Callback):
         # The epoch whose order the balancer's signs refer to, and that order.
         self._balanced_epoch = 0
         self._balanced_permutation: Optional[Tensor] = None
+        # Between an epoch's end and the next epoch's first step (where Lightning resumes a checkpoint
+        # written then: at the next epoch's start, whatever the world size).
+        self._epoch_ended = False
         self._loaded_state: Optional[dict[str, Any]] = None
         # The gather of this rank's last differences, with their step, balanced at the next step.
         self._pending: Optional[tuple[PendingGather, int]] = None
@@ -260,6 +272,7 @@ class CDGraB(Callback):
         if self._balancer is None or self._gradients is None:
             return
         start = time.perf_counter()
+        self._epoch_ended = False
         if self._balancer.epoch_complete:
             # Reset at the first step of the next epoch, not at the end of the last: a checkpoint
             # written in between must still hold the signs that decided the next order.
@@ -323,6 +336,7 @@ class CDGraB(Callback):
         self._sync_from_server()
         self._raise_if_non_finite()
         self._install_next_order()
+        self._epoch_ended = True
         for logger in trainer.loggers:
             logger.log_metrics(self.metrics(), step=trainer.global_step)
 
@@ -393,6 +407,7 @@ class CDGraB(Callback):
             "first_non_finite": self._first_non_finite.cpu() if self._first_non_finite is not None else None,
             "bytes_sent": self.bytes_sent,
             "seconds": self.seconds,
+            "epoch_ended": self._epoch_ended,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -412,10 +427,8 @@ class CDGraB(Callback):
         assert self._sampler is not None and self._balancer is not None
         ranks = state["ranks"]
         if len(ranks) != self._world_size:
-            raise ValueError(
-                f"the CDGraB state in the checkpoint was written by {len(ranks)} processes; resuming needs the same "
-                f"number (devices * num_nodes), got {self._world_size}"
-            )
+            self._restore_resized(ranks)
+            return
         local = ranks[self._rank]
         if not local:
             return  # saved before training started
@@ -425,6 +438,7 @@ class CDGraB(Callback):
             self._first_non_finite = local["first_non_finite"].to(device)
         self.bytes_sent = local["bytes_sent"]
         self.seconds = local["seconds"]
+        self._epoch_ended = bool(local.get("epoch_ended", False))  # absent from checkpoints before issue 18
         self._balanced_epoch, self._balanced_permutation = local["epoch"], local["permutation"]
         if self._balancer.epoch_complete:
             # Saved after the epoch's last step: continue with the next epoch's order, decided again
@@ -434,6 +448,44 @@ class CDGraB(Callback):
         else:
             self._sampler.resume_at(local["epoch"], local["permutation"], start=2 * self._balancer.pairs_done)
 
+    def _restore_resized(self, ranks: Sequence[Mapping[str, Any]]) -> None:
+        """Resume a checkpoint written by another number of processes: a seeded random order for the new partition.
+
+        The saved orders and signs are positions in the old ranks' parts, which no longer exist, so
+        the herding state (signs, running sum) is dropped. The epoch Lightning resumes is read in
+        the sampler's seeded random permutation of that epoch for this rank's new part (the one
+        D-RR would read), from the batch Lightning resumes it at. Lightning counts batches, not
+        examples: after a checkpoint written in an epoch (``every_n_train_steps``) that has read
+        ``k`` batches, it resumes that epoch, or the next one when ``k`` was the whole epoch, at
+        batch ``k`` if the epoch has more than ``k`` batches at the new world size, and otherwise
+        the next epoch from its start (the interrupted one is then over: nothing of it is read).
+        After a checkpoint written at an epoch's end it starts the next epoch. Balancing goes on
+        from there with a zero running sum, the pairs before it counting as sign ``+1``, and
+        decides the next epoch's order.
+        """
+        assert self._sampler is not None and self._balancer is not None
+        if not ranks[0]:
+            return  # saved before training started
+        saved = ranks[0]  # the order server's signs and epoch progress, the same on every rank
+        counters = counters_kept_in_total([[r["bytes_sent"], r["seconds"]] for r in ranks], self._rank, self._world_size)
+        self.bytes_sent, self.seconds = counters
+        pairs_per_epoch, pairs_done = saved["balancer"]["signs"].shape[0], int(saved["balancer"]["pairs_done"])
+        size = self._sampler.batch_size
+        done, batches = 2 * pairs_done // size, self._sampler.num_samples // size
+        complete = pairs_done == pairs_per_epoch
+        if saved.get("epoch_ended", False):
+            epoch, start = saved["epoch"] + 1, 0
+        elif done < batches:
+            epoch, start = saved["epoch"] + int(complete), done
+        else:
+            epoch, start = (saved["epoch"] + 1, 0) if complete else (saved["epoch"], batches)
+        permutation = self._sampler.random_permutation(epoch)
+        pairs_skipped = start * size // 2
+        self._balancer.start_epoch()
+        self._balancer.signs[:pairs_skipped] = 1
+        self._balancer.pairs_done = pairs_skipped
+        self._balanced_epoch, self._balanced_permutation = epoch, permutation
+        self._sampler.resume_at(epoch, permutation, start=start * size)
 
 def _module_per_example_loss(module: Any, batch: Any) -> Tensor:
     return module.per_example_loss(batch)

@@ -38,6 +38,7 @@ from lightning_dist.callbacks._weaving import (
     check_train_loader,
     examples_per_epoch,
     local_pool,
+    owned_records,
 )
 from lightning_dist.comm import check_timeout, destroy_group, new_group, strategy_timeout
 
@@ -163,6 +164,19 @@ class DataGossip(GossipExchanges, GossipCheckpoint, Callback):
       exactly like the uninterrupted one. This holds for checkpoints written at the end of an
       epoch (``ModelCheckpoint``'s default when validation runs once per epoch); Lightning itself
       cannot resume the middle of an epoch exactly with a DataLoader that has no state.
+    - **Resuming at another world size.** A checkpoint written by ``m`` processes resumes with
+      ``m' != m``: each rank keeps the loss history of the records it now owns, taken from all
+      saved ranks' histories: with a fixed partition (a sampler with a ``part``, as
+      :class:`~lightning_dist.data.sampler.PartitionSampler`, rebuilt for ``m'`` ranks) the saved
+      entries of exactly its new part, unchanged; with a sampler that deals out a fresh split every
+      epoch, where every rank reads every record over the epochs, all records' (a record several
+      ranks trained on gets the statistics of all its losses,
+      :func:`~lightning_dist.algorithms.selection.merge_histories`). The foreign buffers and the
+      exchange in flight are dropped (selected for the old ranks, and an all-gather of ``m``
+      ranks cannot be replayed by ``m'``), so the first epoch after the resume trains on local
+      records only, like a run's first epoch, and exchanges start again at its end. A rank that
+      existed keeps its selector RNG, a new rank starts from its seed; the counters are kept in
+      total (rank 0 takes those of ranks that went away). ``_gossip_checkpoint.resized_rank_state``.
     """
 
     def __init__(
@@ -333,7 +347,7 @@ class DataGossip(GossipExchanges, GossipCheckpoint, Callback):
                 "epoch: no foreign batch will be trained on"
             )
         if self._loaded_state is not None:
-            self._restore(self._loaded_state)
+            self._restore(self._loaded_state, owned_records(source))
             self._loaded_state = None
         self._woven = woven
         return woven

@@ -85,7 +85,7 @@ class CDGraBSampler(DistributedSampler):
         self.total_size = usable
         shuffled = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:usable]
         self.local_indices = shuffled[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]
-        self.permutation = self._random_permutation(0)
+        self.permutation = self.random_permutation(0)
         self._next: Optional[tuple[int, Tensor]] = None
         self._start = 0
         if self.dropped:
@@ -94,7 +94,9 @@ class CDGraBSampler(DistributedSampler):
                 f"{self.num_replicas} ranks reads {self.num_samples} examples in whole batches of {batch_size}"
             )
 
-    def _random_permutation(self, epoch: int) -> Tensor:
+    def random_permutation(self, epoch: int) -> Tensor:
+        """The seeded random order of ``epoch`` on this rank (positions into :attr:`local_indices`): epoch 0's,
+        every epoch's with ``order="random"``, and where CD-GraB resumed at another world size."""
         seed = int(np.random.SeedSequence([self.seed, epoch, self.rank]).generate_state(1, np.uint64)[0] >> 1)
         generator = torch.Generator().manual_seed(seed)
         return torch.randperm(self.num_samples, generator=generator)
@@ -118,7 +120,7 @@ class CDGraBSampler(DistributedSampler):
         if self._next is not None and self._next[0] == epoch:
             self.permutation = self._next[1]
         elif self.order == "random" or epoch == 0:
-            self.permutation = self._random_permutation(epoch)
+            self.permutation = self.random_permutation(epoch)
         else:
             raise RuntimeError(
                 f"CDGraBSampler(order='balanced') has no order for epoch {epoch}: add the CDGraB callback to the "

@@ -10,6 +10,7 @@ from lightning_dist.algorithms.selection import (
     SELECTORS,
     LossHistory,
     active_bias_weights,
+    merge_histories,
     select_active_bias,
     select_hem,
     select_random,
@@ -90,6 +91,37 @@ def test_history_state_round_trip_and_bad_input():
         history.record(torch.tensor([0, 1]), torch.tensor([1.0]))
     with pytest.raises(ValueError, match="num_records"):
         LossHistory(0)
+
+
+def test_merged_history_keeps_a_record_held_once_unchanged_and_combines_one_held_twice():
+    """Rank A trained records 0 and 2 in epochs 0-1, rank B records 1 and 2 in epochs 2-4 (a reshuffling
+    sampler), and B is stopped mid-epoch 5 having read record 1 again. The merge for records {0, 2, 3}: record 0
+    is A's, bit for bit; record 2's statistics are those of its five per-epoch losses taken together
+    (numpy's mean and population variance), its visits add up and its latest loss is B's (more visits);
+    record 1 (B's, outside the records) and record 3 (nobody's) are unseen."""
+    a_rows = [[0.3, NAN, 2.0, NAN], [0.7, NAN, 1.0, NAN]]
+    b_rows = [[NAN, 5.0, 4.0, NAN], [NAN, 4.0, 8.0, NAN], [NAN, 3.0, 7.5, NAN]]
+    a, b = history_from(a_rows), LossHistory(4)
+    for _ in range(2):
+        b.end_epoch()  # B's first two epochs read other records
+    for row in b_rows:
+        b.record(torch.tensor([1, 2]), torch.tensor(row[1:3]))
+        b.end_epoch()
+    b.record(torch.tensor([1]), torch.tensor([2.5]))
+    merged = merge_histories([a, b], records=torch.tensor([0, 2, 3]))
+    assert merged.mean[0] == a.mean[0] and merged.variance()[0] == a.variance()[0] and merged.latest[0] == 0.7
+    record_2 = np.array([2.0, 1.0, 4.0, 8.0, 7.5])
+    assert merged.mean[2].item() == pytest.approx(record_2.mean(), rel=1e-15)
+    assert merged.variance()[2].item() == pytest.approx(record_2.var(), rel=1e-14)
+    assert merged.epochs_recorded.tolist() == [2, 0, 5, 0] and merged.visits.tolist() == [2, 0, 5, 0]
+    assert merged.latest[2] == 7.5 and all(math.isnan(merged.latest[i]) for i in (1, 3))
+    assert merged.epochs_completed == 5 and torch.equal(merged.seen, torch.tensor([True, False, True, False]))
+    # All records kept: B's loss of record 1 in its unfinished epoch goes on into the epoch's end.
+    everything = merge_histories([a, b])
+    everything.end_epoch()
+    assert everything.epochs_recorded[1] == 4 and everything.mean[1].item() == pytest.approx(np.mean([5, 4, 3, 2.5]))
+    with pytest.raises(ValueError, match="same dataset"):
+        merge_histories([a, LossHistory(5)])
 
 
 # ----------------------------------------------------------------------------- random

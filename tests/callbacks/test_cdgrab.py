@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from helpers.accuracy import noise_band
 from helpers.launch import load_results, run_ranks
 from lightning_dist import CDGraB, CDGraBSampler
 from lightning_dist.algorithms.balancing import PairBalancer, reorder_positions
@@ -120,21 +121,72 @@ def test_independent_mode_balances_each_rank_alone_and_sends_nothing(tmp_path):
 
 
 RESUME_RANKS = 2
-RESUME_STEPS_PER_EPOCH = 320 // (RESUME_RANKS * BATCH)  # 40
-RESUME_SPEC = {"projection_dim": 32, "trainer": {"max_epochs": 3}}
+TRAIN_EXAMPLES = 320  # num_samples=400 less the validation fifth
+VAL_EXAMPLES = 80
+STEPS_PER_EPOCH_AT = {2: TRAIN_EXAMPLES // (2 * BATCH), 3: TRAIN_EXAMPLES // (3 * BATCH)}  # 40, 26 (8 dropped)
+RESUME_STEPS_PER_EPOCH = STEPS_PER_EPOCH_AT[RESUME_RANKS]
+EPOCHS = 3
+RESUME_SPEC = {"projection_dim": 32, "trainer": {"max_epochs": EPOCHS}}
+# Checkpoints resumed at the other world size: (written by, file, global step at the checkpoint, the epoch and
+# batch where Lightning resumes at the new size, the steps the resumed run ends with). Lightning resumes a
+# checkpoint written within an epoch at the old batch count k: in that epoch, or in the next when k was the whole
+# epoch, if the new epoch has more than k batches, else the next epoch from its start.
+RESIZES = {
+    # the last batch of epoch 0 (40 >= 26 batches): epoch 1 from its start
+    "2to3_last_batch": (2, "step=40", 40, 1, 0, 40 + 26 + 26),
+    "2to3_mid_epoch": (2, "step=44", 44, 1, 4, 44 + 22 + 26),  # 4 batches into epoch 1
+    # 32 batches into epoch 1, more than its 26 at 3 ranks: nothing of it left
+    "2to3_epoch_read": (2, "step=72", 72, 1, 26, 72 + 0 + 26),
+    "3to2_epoch_end": (3, "epoch=0", 26, 1, 0, 26 + 40 + 40),  # written at the end of epoch 0
+    # the last batch of epoch 0, 26 of the 40 an epoch has at 2 ranks: Lightning resumes epoch 1 at batch 26
+    "3to2_last_batch": (3, "step=26", 26, 1, 26, 26 + 14 + 40),
+    "3to2_mid_epoch": (3, "step=39", 39, 1, 13, 39 + 27 + 40),  # 13 batches into epoch 1
+}
+
+
+def _launch_runs(out, ranks, runs):
+    run_ranks(ranks, "cdgrab", {"num_samples": 400, "batch_size": BATCH, **RESUME_SPEC, "runs": runs}, out)
+    return [[_ok([rank_runs[i]])[0] for rank_runs in load_results(out, ranks)] for i in range(len(runs))]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The run both resume tests compare with; it writes a checkpoint every 4 steps."""
+    """The 2-rank run the resume tests compare with; it writes a checkpoint every 4 steps."""
     out = tmp_path_factory.mktemp("cdgrab_resume")
     results = _ok(_launch(out, "full", ranks=RESUME_RANKS, checkpoint_dir=str(out / "ckpt"), every_n_train_steps=4,
                           **RESUME_SPEC))
     return results, out / "ckpt"
 
 
+@pytest.fixture(scope="module")
+def three_rank_resumes(tmp_path_factory, uninterrupted):
+    """One 3-rank launch: the uninterrupted run at 3 ranks, writing a checkpoint every 13 steps and at every epoch's
+    end, then the 2-rank run resumed at 3 ranks from each of its checkpoints in RESIZES."""
+    out = tmp_path_factory.mktemp("cdgrab_three")
+    _, written = uninterrupted
+    cases = [case for case, spec in RESIZES.items() if spec[0] == 2]
+    runs = [{"checkpoint_dir": str(out / "ckpt"), "every_n_train_steps": 13, "epoch_checkpoint_dir": str(out / "ckpt")}]
+    runs += [{"ckpt_path": str(written / f"{RESIZES[case][1]}.ckpt")} for case in cases]
+    full, *resumed = _launch_runs(out, 3, runs)
+    return full, dict(zip(cases, resumed)), out / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def two_rank_resumes(tmp_path_factory, uninterrupted, three_rank_resumes):
+    """One 2-rank launch: the 2-rank run resumed from its own checkpoints at 4 batches into epoch 1 and at the end of
+    epoch 0, then the 3-rank run resumed at 2 ranks from each of its checkpoints in RESIZES."""
+    out = tmp_path_factory.mktemp("cdgrab_two")
+    (_, written2), (_, _, written3) = uninterrupted, three_rank_resumes
+    same = [RESUME_STEPS_PER_EPOCH + 4, RESUME_STEPS_PER_EPOCH]
+    cases = [case for case, spec in RESIZES.items() if spec[0] == 3]
+    runs = [{"ckpt_path": str(written2 / f"step={step}.ckpt")} for step in same]
+    runs += [{"ckpt_path": str(written3 / f"{RESIZES[case][1]}.ckpt")} for case in cases]
+    results = _launch_runs(out, 2, runs)
+    return dict(zip(same, results)), dict(zip(cases, results[len(same):]))
+
+
 @pytest.mark.parametrize("stop_step", [RESUME_STEPS_PER_EPOCH + 4, RESUME_STEPS_PER_EPOCH])
-def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, uninterrupted, stop_step):
+def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(uninterrupted, two_rank_resumes, stop_step):
     """A run resumed from the checkpoint at ``stop_step`` ends with the uninterrupted run's weights and order.
 
     Two ranks: DDP rebuilds its gradient buckets after a process's first step, which with three
@@ -142,10 +194,9 @@ def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, uninterrupted, 
     starts with the initial buckets), so there the weights agree only to rounding. Two-rank sums
     are commutative, so every difference here would be CD-GraB's.
     """
-    full, checkpoints = uninterrupted
-    resumed = _ok(_launch(tmp_path, "resumed", ranks=RESUME_RANKS, ckpt_path=str(checkpoints / f"step={stop_step}.ckpt"),
-                          **RESUME_SPEC))
-    total_steps = 3 * RESUME_STEPS_PER_EPOCH
+    full, _ = uninterrupted
+    resumed = two_rank_resumes[0][stop_step]
+    total_steps = EPOCHS * RESUME_STEPS_PER_EPOCH
     for a, b in zip(full, resumed):
         assert b["global_step"] == a["global_step"] == total_steps
         assert torch.equal(a["vector"], b["vector"])
@@ -163,6 +214,41 @@ def test_resume_mid_epoch_or_at_epoch_end_is_bit_exact(tmp_path, uninterrupted, 
     round_bytes = pairs * RESUME_RANKS + 32 * 4 + (1 + RESUME_RANKS) * 8
     for result in (full[0], resumed[0]):
         assert result["bytes_sent"] > 0 and result["bytes_sent"] % round_bytes == 0
+
+
+@pytest.mark.parametrize("case", list(RESIZES))
+def test_resume_at_another_world_size_restarts_from_a_seeded_random_order_of_the_new_part(
+    uninterrupted, three_rank_resumes, two_rank_resumes, case
+):
+    """Written by ``old`` ranks, resumed by ``new``: each rank reads the epoch Lightning resumes in the seeded
+    random permutation of exactly its part at the new world size (the permutation D-RR reads, the part the
+    uninterrupted run at that size reads), from the batch Lightning resumes at; balancing starts again there (the
+    pairs before it count as +1) and decides the next epoch's order; the run ends after Lightning's steps, and the
+    model scores within the spread of the uninterrupted runs at 2 and 3 ranks."""
+    old, _, step, epoch, start, steps = RESIZES[case]
+    new = 5 - old
+    full = {2: uninterrupted[0], 3: three_rank_resumes[0]}
+    resumed = (three_rank_resumes if new == 3 else two_rank_resumes)[1][case]
+    skipped = start * BATCH // 2  # pairs of the resumed epoch not read since the resume
+    for rank, result in enumerate(resumed):
+        assert result["global_step"] == steps
+        first, following = result["epochs"][0], result["epochs"][1]
+        reference = CDGraBSampler(list(range(TRAIN_EXAMPLES)), BATCH, new, rank, order="random")
+        reference.set_epoch(epoch)
+        assert first["epoch"] == epoch and first["batches_match"] and first["first_step"] == step
+        assert torch.equal(first["local_indices"], reference.local_indices)
+        assert torch.equal(first["local_indices"], full[new][rank]["epochs"][0]["local_indices"])
+        assert torch.equal(first["permutation"], reference.permutation)
+        assert len(first["differences"]) == STEPS_PER_EPOCH_AT[new] - start  # the batches read since the resume
+        signs = first["signs"][:, rank]
+        assert (signs[:skipped] == 1).all() and set(signs[skipped:].tolist()) <= {-1, 1}
+        assert following["epoch"] == epoch + 1
+        assert torch.equal(following["permutation"], first["permutation"][reorder_positions(signs)])
+    if start < STEPS_PER_EPOCH_AT[new]:  # something was balanced since the resume: both signs occur
+        assert {-1, 1} <= set(resumed[0]["epochs"][0]["signs"][skipped:].flatten().tolist())
+    uninterrupted_accuracy = [full[size][0]["val_acc"] for size in (2, 3)]  # 0.25-0.29 here; chance is 0.1
+    low, high = noise_band(uninterrupted_accuracy, VAL_EXAMPLES)
+    assert low <= resumed[0]["val_acc"] <= high, (case, resumed[0]["val_acc"], uninterrupted_accuracy)
 
 
 def test_different_batch_sizes_and_non_finite_gradients_stop_every_rank_with_a_clear_error(tmp_path):

@@ -17,8 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.accuracy import noise_band
 from helpers.launch import load_results, run_ranks
+from lightning_dist.algorithms.selection import LossHistory
 from lightning_dist.callbacks import DataGossip
+from lightning_dist.callbacks._gossip_checkpoint import resized_rank_state
 from lightning_dist.callbacks._records import RecordCodec
 from lightning_dist.callbacks._weaving import FOREIGN, WovenLoader
 from lightning_dist.data.datamodules import DigitsDataModule
@@ -27,6 +30,7 @@ from lightning_dist.models import MLPClassifier
 RECORD_BYTES = 64 * 4 + 8  # float32 features + int64 label
 BATCH = 64
 DATA = {"partition": "class_sorted", "batch_size": BATCH}
+VAL_EXAMPLES = 360  # the digits' validation fifth
 
 
 # ----------------------------------------------------------------------------- one process
@@ -123,6 +127,35 @@ def test_woven_loader_inserts_foreign_batches_and_tags_every_batch_with_its_indi
     assert woven.sampler is source.sampler and woven.dataset is dataset and woven.batch_size == 2
 
 
+def test_a_rank_state_at_another_world_size_follows_the_rule():
+    """Three saved ranks (rank r trained records 2r and 2r + 1), resumed by two and by four: the history of exactly
+    the records a rank now owns with the saved values, its own selector RNG (a new rank has none: it keeps its
+    seed), no foreign buffer or exchange, and counters whose sum over the ranks is the saved one."""
+    ranks = []
+    for rank in range(3):
+        history = LossHistory(6)
+        history.record(torch.tensor([2 * rank, 2 * rank + 1]), torch.tensor([1.5 + rank, 0.25 * rank]))
+        history.end_epoch()
+        ranks.append({"history": history.state_dict(), "generator": torch.Generator().manual_seed(rank).get_state(),
+                      "foreign_rows": torch.ones(4, 3, dtype=torch.uint8), "foreign_order": torch.tensor([1, 0, 3, 2]),
+                      "foreign_position": 2, "received": None, "pending": torch.ones(2, 3, dtype=torch.uint8),
+                      "last_payload": torch.ones(2, 3, dtype=torch.uint8), "selected_indices": torch.tensor([2 * rank]),
+                      "record_format": "(x, y)", "counters": {"bytes_sent": 10 ** rank, "exchanges": 3}})
+    state = resized_rank_state(ranks, 1, 2, torch.tensor([3, 4, 5]))  # new part: records of saved ranks 1 and 2
+    history = state["history"]
+    assert history["visits"].tolist() == [0, 0, 0, 1, 1, 1]
+    torch.testing.assert_close(history["latest"], torch.tensor([math.nan] * 3 + [0.25, 3.5, 0.5]), equal_nan=True)
+    assert history["mean"][3:].tolist() == [0.25, 3.5, 0.5] and history["epochs_completed"] == 1
+    assert torch.equal(state["generator"], ranks[1]["generator"]) and state["record_format"] == "(x, y)"
+    assert state["foreign_rows"] is None and state["pending"] is None and state["received"] is None
+    assert state["last_payload"] is None and state["selected_indices"] is None and len(state["foreign_order"]) == 0
+    shrunk = [resized_rank_state(ranks, rank, 2, None)["counters"] for rank in range(2)]
+    assert shrunk == [{"bytes_sent": 101, "exchanges": 6}, {"bytes_sent": 10, "exchanges": 3}]
+    new = resized_rank_state(ranks, 3, 4, torch.tensor([0]))
+    assert new["generator"] is None and new["counters"] == {"bytes_sent": 0, "exchanges": 0}
+    assert new["history"]["visits"].tolist() == [1, 0, 0, 0, 0, 0]
+
+
 # ----------------------------------------------------------------------------- Gloo ranks
 # Starting a rank (torch, Lightning) costs far more than these fits, so each launch below runs
 # several fits in the same processes and the tests share their results.
@@ -138,24 +171,28 @@ FAIL_RUN = {"gossip": {"timeout_s": 120}, "trainer": {"max_epochs": 3}, "checkpo
             "fail": {"rank": 1, "epoch": 0}, "delay": {"rank": 0, "seconds": 3}}
 
 
+# ddp_runs' fits: DataGossip's defaults under ddp, 4 epochs. Learning rate 0.5: the default 0.1 leaves the
+# model at 0.1-0.3 validation accuracy after 4 epochs, too near chance to compare runs by.
+DDP_DEFAULTS = {"strategy": "ddp", "gossip": {}, "trainer": {"max_epochs": 4}, "model_kwargs": {"learning_rate": 0.5}}
+
+
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    """ddp, 2 ranks, the defaults (active_bias, k=5, f=4, wait_for_exchange), one fit after another:
+    """ddp, 2 ranks, DataGossip's defaults (active_bias, k=5, f=4, wait_for_exchange), one fit after another:
     4 epochs with a checkpoint per epoch; the same run resumed from the checkpoint of epoch 1
     (after 2 epochs); a 2-epoch run whose DataModule returns a plain shuffling DataLoader; last, a
     run in which rank 1 fails (which ends the processes)."""
     out = tmp_path_factory.mktemp("ddp")
-    spec = {"strategy": "ddp", "gossip": {}, "data": DATA, "trainer": {"max_epochs": 4},
-            "checkpoint_dir": str(out / "ckpt"),
+    spec = {**DDP_DEFAULTS, "data": DATA, "checkpoint_dir": str(out / "ckpt"),
             "runs": [{}, {"ckpt_path": "epoch=1"}, {"plain_loader": True, "trainer": {"max_epochs": 2},
                                                     "checkpoint_dir": None}, FAIL_RUN]}
     process, seconds = _launch(out, 2, spec, check=False)
     runs = load_results(out, 2)
-    return runs, process.returncode, seconds
+    return runs, process.returncode, seconds, out / "ckpt"
 
 
 def _ddp(ddp_runs, index):
-    runs, returncode, _ = ddp_runs
+    runs, returncode, _, _ = ddp_runs
     if index < 3 and any(len(rank_runs) <= index for rank_runs in runs):
         raise AssertionError(f"run {index} did not finish (torchrun exited {returncode})")
     return _run_results(runs, index) if index < 3 else [rank_runs[index] for rank_runs in runs]
@@ -180,15 +217,27 @@ ASYNC_RUN = {"strategy": "downpour_sgd",
              "delay": {"rank": 2, "seconds": {"0": 3, "1": 0.5}}}
 
 
+FIRST_BAD = 3  # the bad inputs' runs in three_rank_runs come after the SPL run and the two DDP_DEFAULTS runs
+
+
+def _checkpoint(directory, epoch):
+    (path,) = directory.glob(f"epoch={epoch}-*.ckpt")
+    return path
+
+
 @pytest.fixture(scope="module")
-def three_rank_runs(tmp_path_factory):
-    """3 ranks, one fit after another: dynamic_avg with SPL, k=4, f=2, logging to CSV; then each bad
-    input; then downpour_sgd with the fully asynchronous gossip (wait_for_exchange=False) and one
-    rank reaching its first epoch end 3 s late (last: it depends on a strategy of its own)."""
+def three_rank_runs(tmp_path_factory, ddp_runs):
+    """3 ranks, one fit after another: dynamic_avg with SPL, k=4, f=2, logging to CSV; ddp_runs' first
+    fit at 3 ranks, with a checkpoint per epoch, and resumed at 3 ranks from the 2-rank checkpoint of
+    epoch 1; then each bad input; then downpour_sgd with the fully asynchronous gossip
+    (wait_for_exchange=False) and one rank reaching its first epoch end 3 s late (last: it depends on
+    a strategy of its own)."""
     out = tmp_path_factory.mktemp("three")
+    resized = [{**DDP_DEFAULTS, "checkpoint_dir": str(out / "ckpt")},
+               {**DDP_DEFAULTS, "ckpt_path": str(_checkpoint(ddp_runs[3], 1))}]
     spec = {"strategy": "dynamic_avg", "gossip": {"records_per_exchange": 4, "weave_every": 2, "selector": "spl"},
             "data": DATA, "trainer": {"max_epochs": 4, "log_every_n_steps": 1},
-            "runs": [{"log_dir": str(out / "logs")}] + [case for case, _ in BAD_CASES] + [ASYNC_RUN]}
+            "runs": [{"log_dir": str(out / "logs")}] + resized + [case for case, _ in BAD_CASES] + [ASYNC_RUN]}
     _launch(out, 3, spec, check=False)
     return load_results(out, 3), out
 
@@ -346,8 +395,8 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(three_rank_runs, case):
     runs, _ = three_rank_runs
     pattern = BAD_CASES[case][1]
     for rank_runs in runs:
-        assert len(rank_runs) > 1 + case, "the bad-input run did not finish"
-        error = rank_runs[1 + case]["error"]
+        assert len(rank_runs) > FIRST_BAD + case, "the bad-input run did not finish"
+        error = rank_runs[FIRST_BAD + case]["error"]
         assert error is not None and re.match(pattern, error, re.DOTALL), error
 
 
@@ -357,7 +406,7 @@ def test_downpour_ranks_out_of_step_drop_requests_and_catch_up_at_the_end(three_
     (sleeping again briefly, so that its first exchange completes) starts a second one that nobody
     answers during training. The final agreement evens out the counts without a hang."""
     runs, _ = three_rank_runs
-    results = _run_results(runs, 1 + len(BAD_CASES))
+    results = _run_results(runs, FIRST_BAD + len(BAD_CASES))
     dropped = [r["metrics"]["gossip/dropped_exchanges"] for r in results]
     catch_up = [r["catch_up"] for r in results]
     assert dropped[0] >= 1 and dropped[1] >= 1 and sum(catch_up) >= 1, (dropped, catch_up)
@@ -368,12 +417,75 @@ def test_downpour_ranks_out_of_step_drop_requests_and_catch_up_at_the_end(three_
     _check_batches_and_history(results, weave_every=2)
 
 
+@pytest.fixture(scope="module")
+def resized_runs(tmp_path_factory, ddp_runs, three_rank_runs):
+    """ddp_runs' first fit resumed at another world size from its checkpoint of epoch 1 (after 2 of 4 epochs):
+    3 -> 2 in a launch of its own, 2 -> 3 in three_rank_runs. Returns the uninterrupted fits at 2 and 3 ranks,
+    the resumed ones by (written by, resumed by), and the checkpoints by the number of ranks that wrote them."""
+    out = tmp_path_factory.mktemp("resized")
+    runs3, out3 = three_rank_runs
+    written = {2: _checkpoint(ddp_runs[3], 1), 3: _checkpoint(out3 / "ckpt", 1)}
+    _launch(out, 2, {**DDP_DEFAULTS, "data": DATA, "ckpt_path": str(written[3])})
+    to_two = load_results(out, 2)
+    for result in to_two:
+        assert result["error"] is None, result["error"]
+    full = {2: _ddp(ddp_runs, 0), 3: _run_results(runs3, 1)}
+    return full, {(3, 2): to_two, (2, 3): _run_results(runs3, 2)}, written
+
+
+HISTORY_FIELDS = ("latest", "visits", "epochs_recorded", "mean", "m2", "epoch_latest")
+
+
+@pytest.mark.parametrize("old, new", [(3, 2), (2, 3)], ids=["3to2", "2to3"])
+def test_resume_at_another_world_size_keeps_the_loss_history_of_the_records_each_rank_now_owns(
+    resized_runs, old, new
+):
+    """Written by ``old`` ranks after 2 of 4 epochs, resumed by ``new``: each rank starts with the saved entries of
+    exactly the records of its part at the new world size (those of the saved rank that trained each one, bit
+    for bit; every other record unseen), trains the first epoch on local records only (the foreign buffers were
+    the old ranks'), exchanges after it and trains the last epoch with foreign batches: the planned steps. The
+    counters' sum over ranks goes on from the checkpoint's, and the model scores within the spread of the
+    uninterrupted runs at 2 and 3 ranks."""
+    full, resumed, written = resized_runs
+    checkpoint = torch.load(written[old], weights_only=False)
+    (state,) = [value for key, value in checkpoint["callbacks"].items() if key.startswith("DataGossip")]
+    saved = [rank["history"] for rank in state["ranks"]]
+    visited = torch.stack([history["visits"] > 0 for history in saved])
+    assert len(saved) == old and int(visited.sum(dim=0).max()) == 1  # class-sorted parts: one trainer per record
+    results = resumed[(old, new)]
+    examples = len(results[0]["labels"]) // new
+    local = math.ceil(examples / BATCH)
+    sources = []
+    for result in results:
+        owned = torch.zeros(len(result["labels"]), dtype=torch.bool)
+        owned[result["partition"]] = True
+        expected = LossHistory(len(owned)).state_dict()
+        for history, seen in zip(saved, visited):
+            for name in HISTORY_FIELDS:
+                expected[name] = torch.where(owned & seen, history[name], expected[name])
+        for name in HISTORY_FIELDS:
+            torch.testing.assert_close(result["start_history"][name], expected[name], rtol=0, atol=0, equal_nan=True,
+                                       msg=name)
+        assert int(result["start_history"]["visits"][owned].sum()) > 0
+        sources.append(sum(bool((seen & owned).any()) for seen in visited))
+        assert result["global_step"] == checkpoint["global_step"] + local + (local + local // 4)
+        first, last = result["epochs"]
+        assert first["foreign_x"] is None and first["batches"] == local
+        assert last["batches"] == local + local // 4 and len(last["foreign_y"]) == 5 * (new - 1)
+    assert max(sources) >= 2  # some rank's new part holds records that different saved ranks trained
+    saved_bytes = sum(rank["counters"]["bytes_sent"] for rank in state["ranks"])
+    assert sum(r["metrics"]["gossip/bytes_sent"] for r in results) == saved_bytes + new * 5 * RECORD_BYTES * (new - 1)
+    uninterrupted = [full[size][0]["val_acc"] for size in (2, 3)]
+    low, high = noise_band(uninterrupted, VAL_EXAMPLES)
+    assert low <= results[0]["val_acc"] <= high, (old, new, results[0]["val_acc"], uninterrupted)
+
+
 def test_one_rank_failing_mid_exchange_stops_every_rank(ddp_runs):
     """Rank 1 raises while its exchange waits for rank 0 (which reaches its epoch end 3 s late): rank 1
     exits although its exchange thread is still blocked in the all-gather, and rank 0 stops with an
     error (a closed connection, or torchrun's SIGTERM, whichever reaches it first) instead of
     waiting for a timeout; torchrun reports the failure."""
-    _, returncode, seconds = ddp_runs
+    _, returncode, seconds, _ = ddp_runs
     assert all(len(rank_runs) == 4 for rank_runs in ddp_runs[0]), "a rank did not report the failing run"
     survivor, failed = _ddp(ddp_runs, 3)
     assert failed["error"] == "RuntimeError: injected failure on rank 1"

@@ -2,11 +2,14 @@
 
 Spec keys: ``mode``, ``projection_dim``, ``batch_size`` (or ``batch_sizes``, one per rank),
 ``num_samples`` (MNIST-1D), ``trainer`` (extra Trainer kwargs), ``ckpt_path``, ``checkpoint_dir``
-with ``every_n_train_steps``, ``nan`` (``{"rank", "step"}``: that rank's weights turn NaN before
-that step). Each rank writes rank{r}.pt with, per epoch, the sampler's order, the balancer's signs
-at the epoch's end, whether every batch held exactly the examples the order named, and the pair
-differences of each step computed with a plain autograd loop (a reference independent of
-torch.func), plus the final weights and the callback's counters.
+with ``every_n_train_steps``, ``epoch_checkpoint_dir`` (a checkpoint at every epoch's end),
+``nan`` (``{"rank", "step"}``: that rank's weights turn NaN before that step). Each rank writes
+rank{r}.pt with, per epoch, the sampler's order, the balancer's signs at the epoch's end, whether
+every batch held exactly the examples the order named, and the pair differences of each step
+computed with a plain autograd loop (a reference independent of torch.func), plus the final
+weights, the callback's counters and the final model's accuracy on the validation split.
+``runs``: a list of spec overrides fitted one after another in the same processes (starting ranks
+costs more than these fits); the result file then holds a list.
 """
 
 import json
@@ -69,14 +72,13 @@ class Recorder(Callback):
         record["differences"].append(gradients[0::2] - gradients[1::2])
 
     def on_train_epoch_end(self, trainer, pl_module):
+        if not self.epochs:  # resumed in an epoch with no batch left to read
+            self.on_train_epoch_start(trainer, pl_module)
         self.epochs[-1]["signs"] = self.cdgrab.balancer.signs.clone()
         self.epochs[-1]["next_order"] = self.cdgrab.sampler._next  # noqa: SLF001 (what set_epoch will adopt)
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(spec["out"])
-    rank = int(os.environ["RANK"])
+def fit(spec: dict, rank: int) -> dict:
     L.seed_everything(spec.get("seed", 0), workers=True)
     batch_size = spec["batch_sizes"][rank] if "batch_sizes" in spec else spec.get("batch_size", 4)
     datamodule = MNIST1DDataModule(num_samples=spec.get("num_samples", 400), batch_size=batch_size,
@@ -89,9 +91,12 @@ def main() -> None:
     if spec.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_top_k=-1, filename="{step}",
                                          every_n_train_steps=spec["every_n_train_steps"]))
+    if spec.get("epoch_checkpoint_dir"):  # written at every epoch's end, after CDGraB's on_train_epoch_end
+        callbacks.append(ModelCheckpoint(dirpath=spec["epoch_checkpoint_dir"], save_top_k=-1, filename="{epoch}"))
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy="ddp", logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(spec.get("checkpoint_dir")),
+        enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(spec.get("checkpoint_dir") or spec.get("epoch_checkpoint_dir")),
         callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
         **spec.get("trainer", {}),
     )
@@ -102,6 +107,8 @@ def main() -> None:
         error = f"{type(exc).__name__}: {exc}"
     result = {"error": error, "rank": rank}
     if error is None:
+        with torch.no_grad():
+            correct = sum(int((model(x).argmax(dim=1) == y).sum()) for x, y in datamodule.val_dataloader())
         result.update(
             epochs=recorder.epochs,
             vector=torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
@@ -109,10 +116,25 @@ def main() -> None:
             sampler_permutation=cdgrab.sampler.permutation.clone(),
             dropped=cdgrab.sampler.dropped,
             bytes_sent=cdgrab.bytes_sent,
+            seconds=cdgrab.seconds,
             metrics=cdgrab.metrics(),
             global_step=trainer.global_step,
+            val_acc=correct / len(datamodule.val_set),
         )
-    torch.save(result, out / f"rank{rank}.pt")
+    return result
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    rank = int(os.environ["RANK"])
+    if "runs" not in spec:
+        torch.save(fit(spec, rank), out / f"rank{rank}.pt")
+        return
+    results = []
+    for overrides in spec["runs"]:
+        results.append(fit({**spec, **overrides}, rank))
+        torch.save(results, out / f"rank{rank}.pt")  # after every run, so that the runs before a failing one report
 
 
 if __name__ == "__main__":

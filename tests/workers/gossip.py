@@ -9,7 +9,8 @@ exchange of epoch e, then exit 1), ``delay`` (``{"rank": r, "seconds": s}``: sle
 s seconds before DataGossip's end of epoch 0, or ``{epoch: seconds}`` for several epochs),
 ``model`` (``"scalar_loss"`` or ``"short_losses"``: a training_step DataGossip must refuse),
 ``dtype_rank`` (that rank's features are float64), ``plain_loader`` (a shuffling DataLoader
-without a sampler). ``runs``: a list of spec overrides fitted one after another in the same
+without a sampler); ``ckpt_path`` may also be a path. Each result holds the loss history the fit
+started from (``start_history``) and the last validation accuracy (``val_acc``). ``runs``: a list of spec overrides fitted one after another in the same
 processes (starting ranks costs more than these fits); the result file then holds a list.
 Usage: see tests/helpers/launch.py.
 """
@@ -98,8 +99,11 @@ class Recorder(Callback):
         self.gossip, self.datamodule = gossip, datamodule
         self.epochs: list[dict] = []
         self.last_epoch_batches: list[dict] = []
+        self.start_history: dict | None = None
 
     def on_train_epoch_start(self, trainer, pl_module):
+        if not self.epochs:  # what the fit starts from: on a resume, the loss history the checkpoint gave this rank
+            self.start_history = self.gossip.loss_history.state_dict()
         records = self.gossip.foreign_records
         self.epochs.append({
             "epoch": trainer.current_epoch,
@@ -196,6 +200,8 @@ def fit(spec: dict, rank: int) -> dict:
             catch_up=gossip.catch_up_exchanges,
             global_step=trainer.global_step,
             sampler=type(sampler).__name__,
+            start_history=recorder.start_history,
+            val_acc=float(trainer.callback_metrics["val_acc"]) if "val_acc" in trainer.callback_metrics else None,
         )
     return result
 
