@@ -95,14 +95,16 @@ LAST = 0.25  # the score: mean accuracy over the last quarter of the budget
 def run_one(protocol: str, fraction: float, seed: int, workers: int, budget: float) -> dict[str, Any]:
     """One simulated run; returns its rows and counters."""
     torch.manual_seed(seed)
-    model = MLPClassifier(**{**TASK["model"], "learning_rate": LEARNING_RATE.get(protocol, TASK["model"]["learning_rate"])})
+    learning_rate = LEARNING_RATE.get(protocol, TASK["model"]["learning_rate"])
+    model = MLPClassifier(**{**TASK["model"], "learning_rate": learning_rate})
     data = DigitsDataModule(**TASK["data"], seed=0)
     churn = Churn(fraction=fraction, leave_rate=LEAVE_RATE, mean_absence=MEAN_ABSENCE, seed=seed)
     steps_budget = budget / STEP_SECONDS
     simulation = Simulation(
         model, data, PROTOCOLS[protocol][1](), workers=workers, max_steps=10 * int(steps_budget),
-        network=NetworkModel(**NETWORK), speed=SpeedModel(step_seconds=STEP_SECONDS, aggregate_seconds=AGGREGATE_SECONDS),
-        max_virtual_seconds=budget, eval_every=EVAL_EVERY.get(protocol, max(1, int(steps_budget / EVALS))), evaluate_workers=False, seed=seed,
+        network=NetworkModel(**NETWORK),
+        speed=SpeedModel(step_seconds=STEP_SECONDS, aggregate_seconds=AGGREGATE_SECONDS), max_virtual_seconds=budget,
+        eval_every=EVAL_EVERY.get(protocol, max(1, int(steps_budget / EVALS))), evaluate_workers=False, seed=seed,
         churn=churn,
     )
     start = time.perf_counter()
@@ -222,7 +224,8 @@ def plot(runs: list[dict[str, Any]], budget: float, path: Path) -> None:
     axes[0, 0].legend(loc="lower right", fontsize=8)
     workers = runs[0]["workers"]
     figure.suptitle(f"{workers} workers, churning ones present {1 / (1 + LEAVE_RATE * MEAN_ABSENCE):.0%} of the time "
-                    f"(mean stay {1 / LEAVE_RATE:g} s, absence {MEAN_ABSENCE:g} s); mean of {len(SEEDS)} seeds, range shaded")
+                    f"(mean stay {1 / LEAVE_RATE:g} s, absence {MEAN_ABSENCE:g} s); "
+                    f"mean of {len({run['seed'] for run in runs})} seeds, range shaded")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -259,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         "workers": workers, "fractions": FRACTIONS, "seeds": seeds, "leave_rate": LEAVE_RATE,
         "mean_absence": MEAN_ABSENCE, "budget": budget, "step_seconds": STEP_SECONDS,
         "aggregate_seconds": AGGREGATE_SECONDS, "network": NETWORK, "task": TASK, "period": PERIOD,
-        "protocols": {name: label for name, (label, _) in PROTOCOLS.items()}, "learning_rate": LEARNING_RATE, "eval_every": EVAL_EVERY, "score": f"mean val_acc over the last "
+        "protocols": {name: label for name, (label, _) in PROTOCOLS.items()}, "learning_rate": LEARNING_RATE,
+        "eval_every": EVAL_EVERY, "score": f"mean val_acc over the last "
         f"{LAST:.0%} of the budget", "quick": args.quick, "date": time.strftime("%Y-%m-%d"),
         "machine": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
         "wall_seconds": time.perf_counter() - start,

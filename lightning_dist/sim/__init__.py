@@ -13,7 +13,8 @@ the strategy moves, and the ``ddp`` protocol is Lightning's DDP (a gradient all-
                         speed=SpeedModel(step_seconds=0.02, aggregate_seconds=0.0)).run()
 
 or ``lightning-dist simulate --config configs/sim/segmented_gossip.yaml``. Workers that leave and join:
-``Simulation(..., churn=Churn(fraction=0.3, leave_rate=0.05, mean_absence=10.0, seed=1))`` (:mod:`lightning_dist.sim.churn`).
+``Simulation(..., churn=Churn(fraction=0.3, leave_rate=0.05, mean_absence=10.0, seed=1))``
+(:mod:`lightning_dist.sim.churn`).
 """
 
 from lightning_dist.sim.churn import Churn

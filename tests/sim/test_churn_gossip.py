@@ -182,8 +182,8 @@ def test_a_joiner_serves_the_requests_that_reached_it_while_it_joined_as_soon_as
             super()._serve(provider, puller, round_index, segments)
 
     protocol = Served(segments=3, replicas=2, period=PERIOD, seed=0)
-    sim = simulation(protocol, workers=6, max_steps=15, datamodule=DigitsDataModule(batch_size=16, partition="dirichlet",
-                                                                                     seed=0),
+    data = DigitsDataModule(batch_size=16, partition="dirichlet", seed=0)
+    sim = simulation(protocol, workers=6, max_steps=15, datamodule=data,
                      speed=SpeedModel(step_seconds=0.01, aggregate_seconds=0.001, slowdown={0: 2.0}),
                      churn=Churn(absences={3: [(0.015, 0.099)]}))
     result = sim.run()

@@ -75,7 +75,8 @@ class DataParallel(Protocol):
         loss = yield from node.execute(replica.compute_gradient, batch)
         started = node.now
         gradients = replica.gradients()
-        mean = yield from node.all_reduce(("gradient", step), members, gradients, lambda grads: self._reduce(step, grads))
+        mean = yield from node.all_reduce(("gradient", step), members, gradients,
+                                          lambda grads: self._reduce(step, grads))
         self.simulation.record_wait(rank, step, started)
         yield from node.execute(replica.apply_gradient, mean, kind="update")
         self.done[rank] = step
