@@ -9,12 +9,20 @@ module knows are passed to the model's arguments of the same names: ``num_featur
 standard-library text -> TransformerLM). A link whose source the data module lacks, or whose target
 the model does not take, is skipped (jsonargparse's rule for subclass-typed ``apply_on="instantiate"``
 links), so any pairing of a model and a data module works.
+
+Under ``torchrun`` the trainer's ``devices`` and ``num_nodes`` default to what torchrun's rendezvous
+admitted this round (``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE / LOCAL_WORLD_SIZE``): with an elastic
+``--nnodes=MIN:MAX`` the number of nodes is known only when the processes start, and changes after a
+restart in which a node left (``examples/elastic/``). A value given in the config or on the command
+line still wins, and Lightning checks that ``devices * num_nodes`` equals the world size.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_dist  # noqa: F401  (registers "dynamic_avg", "periodic_avg", "fedavg")
@@ -24,6 +32,15 @@ class DistCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
         for name in ("num_features", "num_classes", "vocab_size", "block_size"):
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
+        parser.set_defaults(torchrun_topology())
+
+
+def torchrun_topology() -> dict[str, int]:
+    """The trainer's ``devices`` and ``num_nodes`` under torchrun (empty when not under torchrun)."""
+    if not TorchElasticEnvironment.detect() or "LOCAL_WORLD_SIZE" not in os.environ:
+        return {}
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    return {"trainer.devices": per_node, "trainer.num_nodes": int(os.environ["WORLD_SIZE"]) // per_node}
 
 
 def main(args: list[str] | None = None) -> None:

@@ -12,9 +12,11 @@ a group away from code that still needs it.
 from __future__ import annotations
 
 import atexit
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.distributed_c10d import _world
 
 _destroy_registered = False
@@ -64,3 +66,21 @@ def strategy_timeout(strategy: object) -> timedelta | None:
     stops answering fails the others within the user's timeout, not torch's default.
     """
     return getattr(strategy, "_timeout", None)
+
+
+def restart_scoped_store(timeout: timedelta | None) -> dist.Store | None:
+    """Under torchrun, a view of its agent's key-value store private to this restart round.
+
+    torchrun's elastic agent hosts one store for the whole job, and ``init_process_group``'s
+    ``env://`` rendezvous writes each rank's address under the same keys in every round. After
+    a restart (``--max-restarts``), a rank that comes up before its peers reads the address a dead
+    process published in the previous round and gives up ("Gloo connectFullMesh failed ...
+    Connection refused"; seen here with torch 2.13 on one of two ranks that started 3 s apart).
+    Prefixing the keys with ``TORCHELASTIC_RESTART_COUNT`` makes every round start from empty
+    keys. ``None`` outside torchrun, or when torchrun's agent does not host the store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout if timeout is not None else default_pg_timeout)
+    return dist.PrefixStore(f"lightning_dist/restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

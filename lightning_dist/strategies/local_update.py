@@ -24,6 +24,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,7 +33,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from lightning_dist.algorithms.averaging import accumulation_dtype
-from lightning_dist.comm import CommStats, Communicator, new_group
+from lightning_dist.comm import CommStats, Communicator, new_group, restart_scoped_store
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
 
@@ -101,6 +102,21 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
                 f"(devices * num_nodes >= 2); got devices={self.num_processes}, num_nodes={self.num_nodes}"
             )
         super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        """Lightning's, except that under torchrun the default group's keys are private to the restart round.
+
+        See :func:`lightning_dist.comm.restart_scoped_store`: without it a process group restarted
+        by ``torchrun --max-restarts`` can read a dead process's address and fail to connect.
+        """
+        store = None if torch.distributed.is_initialized() else restart_scoped_store(self._timeout)
+        if store is not None:
+            self.set_world_ranks()
+            device_id = self.root_device if self.root_device.type != "cpu" else None
+            _init_dist_connection(self.cluster_environment, self._get_process_group_backend(),
+                                  timeout=self._timeout, store=store, device_id=device_id)
+        # Lightning's own steps; its _init_dist_connection finds the group made above and returns.
+        super().setup_distributed()
 
     def setup_environment(self) -> None:
         super().setup_environment()

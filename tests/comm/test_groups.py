@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_dist.comm import Communicator, destroy_group, new_group
+from helpers.launch import load_results, run_ranks
+from lightning_dist.comm import Communicator, destroy_group, new_group, restart_scoped_store
 from lightning_dist.comm import groups
 
 
@@ -41,3 +42,15 @@ def test_every_group_is_destroyed_at_exit(one_rank_world, monkeypatch):
     assert registered == [groups._destroy_all_groups]  # once, however many groups
     registered[0]()
     assert not dist.is_initialized()
+
+
+def test_a_group_restarted_by_torchrun_connects_when_a_rank_comes_up_late(tmp_path):
+    """torchrun --max-restarts=1 after a SIGKILL; in the new round rank 1 starts 3 s after the others."""
+    result = run_ranks(2, "restart", {"late_s": 3.0}, tmp_path, timeout=120, torchrun_args=["--max-restarts=1"])
+    assert "Gloo connectFullMesh failed" not in result.stderr
+    assert load_results(tmp_path, 2) == [{"restart": 1, "sum": 3.0, "store": "PrefixStore"}] * 2
+
+
+def test_outside_torchrun_there_is_no_restart_scoped_store(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert restart_scoped_store(None) is None

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,16 @@ def free_port() -> int:
 
 
 def run_ranks(
-    nprocs: int, worker: str, spec: dict[str, Any], out_dir: Path, timeout: float = 240, check: bool = True
+    nprocs: int, worker: str, spec: dict[str, Any], out_dir: Path, timeout: float = 240, check: bool = True,
+    torchrun_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    """Launch ``tests/workers/<worker>.py spec.json`` under torchrun with ``nprocs`` local ranks."""
+    """Launch ``tests/workers/<worker>.py spec.json`` under torchrun with ``nprocs`` local ranks (and ``torchrun_args``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out": str(out_dir)}))
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", "--nnodes=1",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", *torchrun_args,
         str(WORKERS / f"{worker}.py"), str(spec_path),
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
