@@ -178,3 +178,26 @@ def test_lm_configs_fit_on_two_processes(tmp_path):
         windows = first["corpus"]["train_windows"]
         assert torch.equal(torch.cat([first["part"], second["part"]]), torch.arange(windows))
     assert ranks[0]["dynamic_avg"]["comm"].bytes_sent > 0
+
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "6",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                "TORCHELASTIC_RUN_ID": "elastic", "TORCHELASTIC_RESTART_COUNT": "1"}
+
+
+def test_under_torchrun_the_trainer_takes_the_topology_the_rendezvous_admitted(monkeypatch):
+    """An elastic --nnodes=1:4 run restarted with 3 nodes of 2: the config sets devices only, num_nodes comes from torchrun."""
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    trainer = parse("--config", str(REPO / "configs" / "dynamic_avg.yaml")).trainer
+    assert (trainer.num_devices, trainer.num_nodes, trainer.world_size) == (2, 3, 6)
+    # A value given on the command line wins (Lightning's launcher checks it against torchrun's world size).
+    assert parse("--config", str(REPO / "configs" / "dynamic_avg.yaml"), "--trainer.num_nodes=2").trainer.num_nodes == 2
+
+
+def test_outside_torchrun_the_trainer_topology_is_the_configs(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    trainer = parse("--config", str(REPO / "configs" / "dynamic_avg.yaml")).trainer
+    assert (trainer.num_devices, trainer.num_nodes) == (2, 1)
