@@ -1,0 +1,73 @@
+"""examples/elastic: torchrun --max-restarts=1 brings a fit back after a rank, or a whole node, is SIGKILLed mid-run.
+
+Each case runs the shipped script as a user would (``kill_a_rank.py``: torchrun agents with a c10d
+rendezvous, ``lightning_dist.cli fit --config configs/dynamic_avg.yaml --config
+examples/elastic/checkpointing.yaml``, a checkpoint every 20 steps) and reads the record it writes.
+The kill comes once the first checkpoint is on disk, so the restarted processes must resume from it:
+a run that started over, or stopped, would not end at the planned step with a restart recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers.accuracy import noise_band
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "elastic" / "kill_a_rank.py"
+MAX_STEPS = 300
+VAL_EXAMPLES = 800  # configs/dynamic_avg.yaml: MNIST-1D, 4000 samples, val_fraction 0.2
+
+
+def kill_a_rank(workdir: Path, *args: str) -> dict[str, Any]:
+    record = workdir / "record.json"
+    command = [sys.executable, str(SCRIPT), "--workdir", str(workdir), "--json", str(record),
+               f"--max-steps={MAX_STEPS}", "--timeout=300", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=workdir.parent,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    logs = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in sorted(workdir.glob("agent*.log")))
+    assert result.returncode == 0, f"{result.stderr[-4000:]}\n{logs}"
+    return json.loads(record.read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, Any]:
+    return kill_a_rank(tmp_path_factory.mktemp("elastic") / "none", "--kill=none")
+
+
+def test_the_uninterrupted_run_reaches_the_planned_step(uninterrupted):
+    assert uninterrupted["returncodes"] == [0]
+    assert uninterrupted["global_step"] == MAX_STEPS
+    assert "killed_at_s" not in uninterrupted
+
+
+def test_a_killed_rank_is_restarted_and_the_run_resumes_from_the_last_checkpoint(tmp_path, uninterrupted):
+    record = kill_a_rank(tmp_path / "rank", "--kill=rank")
+    assert record["returncodes"] == [0]
+    assert record["world_size_before"] == record["world_size_after"] == 2
+    assert record["killed_at_s"] < record["restarted_at_s"] < record["resumed_at_s"]
+    assert 0 < record["resumable_step_at_kill"] < MAX_STEPS
+    assert record["global_step"] == MAX_STEPS
+    low, high = noise_band([uninterrupted["val_acc"]], VAL_EXAMPLES)
+    assert low <= record["val_acc"] <= high, (record["val_acc"], uninterrupted["val_acc"])
+
+
+def test_a_lost_node_shrinks_the_group_and_the_survivors_finish(tmp_path, uninterrupted):
+    """Two agents of two processes; the second agent and its processes are SIGKILLed: 4 ranks -> 2.
+
+    The rest of the run trains on two ranks, so it is held to the uninterrupted two-rank run's noise band.
+    """
+    record = kill_a_rank(tmp_path / "node", "--kill=node", "--nodes=2")
+    assert record["returncodes"] == [0]  # the surviving agent; the killed one is not waited for
+    assert (record["world_size_before"], record["world_size_after"]) == (4, 2)
+    assert record["killed_at_s"] < record["restarted_at_s"] < record["resumed_at_s"]
+    assert record["global_step"] == MAX_STEPS
+    low, high = noise_band([uninterrupted["val_acc"]], VAL_EXAMPLES)
+    assert low <= record["val_acc"] <= high, (record["val_acc"], uninterrupted["val_acc"])
