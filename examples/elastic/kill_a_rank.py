@@ -1,21 +1,23 @@
 """Kill a rank (or a whole node) in the middle of an elastic run and watch torchrun bring it back.
 
     python examples/elastic/kill_a_rank.py --config configs/dynamic_avg.yaml --workdir /tmp/elastic
-    python examples/elastic/kill_a_rank.py --config configs/dynamic_avg.yaml --workdir /tmp/elastic --nodes 2 --kill node
+    python examples/elastic/kill_a_rank.py --workdir /tmp/elastic --nodes 2 --kill node
 
 Starts ``--nodes`` torchrun agents on this machine (each a "node" of ``--nproc-per-node``
 processes, one c10d rendezvous, ``--nnodes=1:NODES --max-restarts=1``) running
 ``lightning_dist.cli fit`` with the strategy's config plus ``examples/elastic/checkpointing.yaml``
 (a checkpoint every 20 steps, or ``--every-n-train-steps``; ``ckpt_path: last``). ``--kill-delay``
 seconds after the first checkpoint is on disk it SIGKILLs global rank 1 (``--kill rank``) or the
-last agent with all its processes (``--kill node``), then waits for the run to finish. torchrun's agent sees the dead process, stops the
-others and starts the group again; every process resumes from ``last.ckpt``, at a smaller world
-size when a node left. ``--kill none`` is the uninterrupted run to compare with.
+last agent with all its processes (``--kill node``), then waits for the run to finish. torchrun's
+agent sees the dead process, stops the others and starts the group again; every process resumes
+from ``last.ckpt``, at a smaller world size when a node left. ``--kill none`` is the
+uninterrupted run to compare with.
 
-Prints and writes (``--json``) what happened: the wall time, when the kill came and at which
-checkpoint, when the restarted processes appeared, the world size before and after, the final
-``global_step``, and the final model's validation accuracy (the checkpoint holds the replicas'
-average), so that a failure's cost can be read off against the uninterrupted run.
+Prints and writes (``--json``) what happened, in seconds from the start: when each checkpoint
+appeared, when the kill came and how old the checkpoint it left was (the work lost), when the
+restarted processes appeared and when Lightning had restored the checkpoint; the world size before
+and after, the final ``global_step`` and the final model's validation accuracy (the checkpoint
+holds the replicas' average), so that a failure's cost can be read off against the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +108,41 @@ def validation_accuracy(checkpoint: Path, config: Path) -> float:
     return float(metrics["val_acc"])
 
 
+class Watch:
+    """Polls a run every 50 ms from its start, noting when each step checkpoint first appears."""
+
+    def __init__(self, workdir: Path, agents: list[subprocess.Popen], timeout: float) -> None:
+        self.directory, self.agents, self.timeout = workdir / "checkpoints", agents, timeout
+        self.start = time.monotonic()
+        self.checkpoints_seen: dict[int, float] = {}  # step -> seconds from the start
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def poll(self) -> None:
+        for step in checkpoint_steps(self.directory):
+            self.checkpoints_seen.setdefault(step, self.elapsed())
+
+    def sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.poll()
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def until(self, done: Callable[[], bool], what: str) -> None:
+        """Waits for ``done``; fails if every agent ended first or ``timeout`` passed."""
+        while not done():
+            self.poll()
+            if all(agent.poll() is not None for agent in self.agents):
+                codes = [agent.returncode for agent in self.agents]
+                raise RuntimeError(f"the run ended before its {what} (agents exited {codes}); "
+                                   f"see {self.directory.parent}/agent*.log")
+            if self.elapsed() > self.timeout:
+                raise TimeoutError(f"no {what} within {self.timeout} s; see {self.directory.parent}/agent*.log")
+            time.sleep(0.05)
+        self.poll()
+
+
 def resumed(workdir: Path) -> bool:
     """Whether Lightning has reported restoring last.ckpt in any agent's log (only a restarted round does)."""
     return any("Restored all states from the checkpoint" in log.read_text(errors="replace")
@@ -142,33 +180,31 @@ def run(config: Path, workdir: Path, nodes: int, nproc_per_node: int, max_steps:
                "--config", str(checkpoint_config),
                f"--trainer.max_steps={max_steps}", "--trainer.max_epochs=-1", "--trainer.enable_progress_bar=false",
                f"--trainer.default_root_dir={workdir}"] + ([] if seed is None else [f"--seed_everything={seed}"])
-    start, start_wall = time.monotonic(), time.time()
-    agents = []
+    record: dict[str, Any] = {"config": str(config), "nodes": nodes, "nproc_per_node": nproc_per_node,
+                              "max_steps": max_steps, "kill": kill, "seed": seed, "kill_delay_s": kill_delay,
+                              "every_n_train_steps": yaml.safe_load(checkpoint_config.read_text())["trainer"][
+                                  "callbacks"][0]["init_args"]["every_n_train_steps"]}
+    agents: list[subprocess.Popen] = []
+    watch = Watch(workdir, agents, timeout)
     for node in range(nodes):
         log = open(workdir / f"agent{node}.log", "w")
         agents.append(subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True))
         if node == 0:  # the first agent hosts the rendezvous store; the node killed is another one
             wait_for_listener(endpoint, agents[0], timeout)
-    record: dict[str, Any] = {"config": str(config), "nodes": nodes, "nproc_per_node": nproc_per_node,
-                              "max_steps": max_steps, "kill": kill, "seed": seed, "kill_delay_s": kill_delay,
-                              "every_n_train_steps": yaml.safe_load(checkpoint_config.read_text())["trainer"][
-                                  "callbacks"][0]["init_args"]["every_n_train_steps"]}
     try:
-        while True:
-            first_round = [w for w in workers(run_id) if w["restart"] == 0]
-            if first_round:
-                record["world_size_before"] = first_round[0]["world_size"]
-            if kill != "none" and checkpoint_steps(workdir / "checkpoints") and first_round:
-                time.sleep(kill_delay)
-                break
-            if kill == "none" or all(agent.poll() is not None for agent in agents):
-                break
-            if time.monotonic() - start > timeout:
-                raise TimeoutError(f"no checkpoint within {timeout} s; see {workdir}/agent*.log")
-            time.sleep(0.05)
+        first_round: list[dict[str, Any]] = []
+
+        def started() -> bool:
+            first_round[:] = [w for w in workers(run_id) if w["restart"] == 0]
+            return bool(first_round) and len(first_round) == first_round[0]["world_size"]
+
+        watch.until(started, "training process")
+        record["world_size_before"] = first_round[0]["world_size"]
         if kill != "none":
-            record["killed_at_s"] = time.monotonic() - start
+            watch.until(lambda: bool(checkpoint_steps(workdir / "checkpoints")), "checkpoint")
+            watch.sleep(kill_delay)
+            record["killed_at_s"] = watch.elapsed()
             step, written = latest_checkpoint(workdir / "checkpoints")
             record["resumable_step_at_kill"] = step
             # the work lost: what the ranks did after this checkpoint, redone from it after the restart
@@ -180,36 +216,28 @@ def run(config: Path, workdir: Path, nodes: int, nproc_per_node: int, max_steps:
                 node_pids = [agents[-1].pid] + [w["pid"] for w in first_round if w["ppid"] == agents[-1].pid]
                 for pid in node_pids:
                     os.kill(pid, signal.SIGKILL)
-                agents[-1].wait()
-                agents = agents[:-1]
-            while not [w for w in workers(run_id) if w["restart"] >= 1]:
-                if all(agent.poll() is not None for agent in agents):
-                    break
-                if time.monotonic() - start > timeout:
-                    raise TimeoutError(f"no restart within {timeout} s; see {workdir}/agent*.log")
-                time.sleep(0.05)
-            restarted = [w for w in workers(run_id) if w["restart"] >= 1]
-            if restarted:
-                record["restarted_at_s"] = time.monotonic() - start
-                record["world_size_after"] = restarted[0]["world_size"]
-                while not resumed(workdir) and any(agent.poll() is None for agent in agents):
-                    if time.monotonic() - start > timeout:
-                        raise TimeoutError(f"no resume within {timeout} s; see {workdir}/agent*.log")
-                    time.sleep(0.05)
-                record["resumed_at_s"] = time.monotonic() - start
-        for agent in agents:
-            agent.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+                agents.pop().wait()
+            restarted: list[dict[str, Any]] = []
+
+            def restarted_round() -> bool:
+                restarted[:] = [w for w in workers(run_id) if w["restart"] >= 1]
+                return bool(restarted)
+
+            watch.until(restarted_round, "restart")
+            record["restarted_at_s"] = watch.elapsed()
+            record["world_size_after"] = restarted[0]["world_size"]
+            watch.until(lambda: resumed(workdir), "resume from last.ckpt")
+            record["resumed_at_s"] = watch.elapsed()
+        watch.until(lambda: all(agent.poll() is not None for agent in agents), "end")
     finally:
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
-    record["wall_s"] = time.monotonic() - start
+    record["wall_s"] = watch.elapsed()
     record["returncodes"] = [agent.returncode for agent in agents]
+    record["checkpoints_seen_s"] = watch.checkpoints_seen
     final = workdir / "checkpoints" / "last.ckpt"
     record["global_step"] = torch.load(final, map_location="cpu", weights_only=False)["global_step"]
-    # when each kept checkpoint was written, in seconds from the start (file times are wall-clock)
-    record["checkpoint_s"] = {path.stem.rsplit("step=", 1)[1]: path.stat().st_mtime - start_wall
-                              for path in (workdir / "checkpoints").glob("epoch=*-step=*.ckpt")}
     record["val_acc"] = validation_accuracy(final, config)
     return record
 
@@ -224,7 +252,8 @@ def main() -> None:
     parser.add_argument("--kill", choices=("rank", "node", "none"), default="rank")
     parser.add_argument("--seed", type=int, help="seed_everything (default: the config's)")
     parser.add_argument("--kill-delay", type=float, default=0.0, help="seconds after the first checkpoint")
-    parser.add_argument("--every-n-train-steps", type=int, help="checkpoint interval (default: checkpointing.yaml's 20)")
+    parser.add_argument("--every-n-train-steps", type=int,
+                        help="checkpoint interval (default: checkpointing.yaml's 20)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="write the record here")
     args = parser.parse_args()
