@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -82,17 +83,19 @@ def workers(run_id: str) -> list[dict[str, Any]]:
 
 
 def checkpoint_steps(directory: Path) -> list[int]:
-    return sorted(int(path.stem.rsplit("step=", 1)[1]) for path in directory.glob("epoch=*-step=*.ckpt"))
+    """The steps of the step checkpoints on disk (ModelCheckpoint adds ``-v1`` to a name written twice)."""
+    return sorted(int(re.search(r"step=(\d+)", path.stem)[1]) for path in directory.glob("epoch=*-step=*.ckpt"))
 
 
-def latest_checkpoint(directory: Path) -> tuple[int, float]:
-    """The step and write time (wall clock) of the newest step checkpoint; ModelCheckpoint may be replacing it."""
+def resumable_checkpoint(directory: Path) -> tuple[int, float]:
+    """The step and write time (wall clock) of last.ckpt, which a restart resumes from (ModelCheckpoint replaces it
+    atomically, so it is always whole)."""
+    path = directory / "last.ckpt"
     while True:
-        step = checkpoint_steps(directory)[-1]
-        try:
-            return step, next(directory.glob(f"epoch=*-step={step}.ckpt")).stat().st_mtime
-        except (StopIteration, FileNotFoundError):
-            continue
+        written = path.stat().st_mtime
+        step = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"]
+        if path.stat().st_mtime == written:
+            return step, written
 
 
 def validation_accuracy(checkpoint: Path, config: Path) -> float:
@@ -202,10 +205,10 @@ def run(config: Path, workdir: Path, nodes: int, nproc_per_node: int, max_steps:
         watch.until(started, "training process")
         record["world_size_before"] = first_round[0]["world_size"]
         if kill != "none":
-            watch.until(lambda: bool(checkpoint_steps(workdir / "checkpoints")), "checkpoint")
+            watch.until((workdir / "checkpoints" / "last.ckpt").exists, "first checkpoint")
             watch.sleep(kill_delay)
             record["killed_at_s"] = watch.elapsed()
-            step, written = latest_checkpoint(workdir / "checkpoints")
+            step, written = resumable_checkpoint(workdir / "checkpoints")
             record["resumable_step_at_kill"] = step
             # the work lost: what the ranks did after this checkpoint, redone from it after the restart
             record["checkpoint_age_at_kill_s"] = time.time() - written
