@@ -34,8 +34,9 @@ def kill_a_rank(workdir: Path, *args: str) -> dict[str, Any]:
     record = workdir / "record.json"
     command = [sys.executable, str(SCRIPT), "--workdir", str(workdir), "--json", str(record),
                f"--max-steps={MAX_STEPS}", f"--every-n-train-steps={EPOCH_ON_TWO_RANKS}", "--timeout=300", *args]
+    # tests/ on the path: the user-model case names helpers.user_models in its config
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=workdir.parent,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")})
     logs = "\n".join(f"--- {log.name}\n{log.read_text()[-4000:]}" for log in sorted(workdir.glob("agent*.log")))
     assert result.returncode == 0, f"{result.stderr[-4000:]}\n{logs}"
     return {**json.loads(record.read_text()), "workdir": workdir}
@@ -83,3 +84,38 @@ def test_a_lost_node_shrinks_the_group_and_the_survivors_finish(tmp_path, uninte
     assert record["global_step"] == MAX_STEPS
     low, high = noise_band([uninterrupted["val_acc"]], VAL_EXAMPLES)
     assert low <= record["val_acc"] <= high, (record["val_acc"], uninterrupted["val_acc"])
+
+
+USER_CNN_UNDER_DOWNPOUR = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 2
+  precision: bf16-mixed
+  strategy:
+    class_path: lightning_dist.DownpourSGDStrategy
+    init_args:
+      push_every: 5
+model:
+  class_path: helpers.user_models.DigitsCNN
+data:
+  class_path: helpers.user_models.DigitsImages
+  init_args:
+    batch_size: 32
+"""
+
+
+def test_a_user_cnn_under_downpour_survives_a_lost_node(tmp_path):
+    """A module that is not ours (BatchNorm, Dropout, Adam with StepLR) in bf16-mixed, on the parameter server.
+
+    The server's global model and version carry over the restart at 2 ranks (the resize rule). Its accuracy is held
+    only to "learned" (chance is 0.1): a run that lost its server state or turned non-finite would not be.
+    """
+    config = tmp_path / "user_cnn.yaml"
+    config.write_text(USER_CNN_UNDER_DOWNPOUR)
+    record = kill_a_rank(tmp_path / "node", f"--config={config}", "--kill=node", "--nodes=2", "--max-steps=200",
+                         "--every-n-train-steps=20")
+    assert (record["world_size_before"], record["world_size_after"], record["global_step"]) == (4, 2, 200)
+    assert record["killed_at_s"] < record["restarted_at_s"] < record["resumed_at_s"]
+    assert all(torch.isfinite(tensor).all() for tensor in final_model(record).values() if tensor.is_floating_point())
+    assert record["val_acc"] > 0.8
