@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_divergence_threshold, check_outer_optimizer, check_steps
-from lightning_dist.algorithms.averaging import local_condition_holds, plan_balancing, squared_distance_sum
+from lightning_dist.algorithms.averaging import plan_balancing, squared_distance_sum
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
+from lightning_dist.strategies._subset_average import SubsetAverage
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -21,13 +22,20 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     Every ``check_every`` optimizer steps each rank tests its local condition
     ``||f_i - r||^2 <= divergence_threshold`` against the reference model ``r`` (the last full
     average). The test result is one all-gather of a float per rank. When some ranks violate it,
-    the lowest violating rank acts as paper 004's coordinator: violators send it their models;
-    while the mean of the balancing set still violates the condition, the set is augmented by
-    ``2 |B|`` random ranks (the authors' DynamicHedgeSync), up to a full synchronization once it
-    would reach half of all ranks. The mean goes back to the set's members. A full
-    synchronization also replaces ``r``. The violation counter forces a full synchronization
-    once ``m`` violations have accumulated. Balancing leaves the global mean unchanged and, when
-    it ends, every local condition holds, so the divergence is at most the threshold.
+    they form the balancing set ``B``; while the mean of ``B`` still violates the condition, ``B``
+    is augmented by ``2 |B|`` random ranks (the authors' DynamicHedgeSync), up to a full
+    synchronization once it would reach half of all ranks. The violation counter forces a full
+    synchronization once ``m`` violations have accumulated. A full synchronization is one
+    all-reduce and also replaces ``r``. Balancing leaves the global mean unchanged and, when it
+    ends, every local condition holds, so the divergence is at most the threshold.
+
+    Where paper 004 balances through a coordinator that receives every member's model, here the
+    members average among themselves with no hot spot (:mod:`lightning_dist.algorithms.subset_average`):
+    each owns a chunk of the running sum, the ranks a round adds send each owner their piece of it,
+    the owners measure their chunks of the mean against ``r`` (8 bytes per rank decide the round),
+    and once the mean lies within the threshold each owner sends its chunk of the mean to the other
+    members. A member sends and receives about two model sizes however large ``B`` is; ranks
+    outside ``B`` send only their distances.
 
     Choices where the paper is silent: the distance covers parameters only (not buffers);
     floating-point buffers are averaged with the parameters; optimizer state (momentum) stays
@@ -107,41 +115,27 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             self._resolve(violators)
 
     def _resolve(self, violators: list[int]) -> None:
-        """Run the coordinator's balancing (``plan_balancing``) across processes."""
-        world_size, rank, coordinator = self.comm.world_size, self.comm.rank, violators[0]
-        local = self.model_vector.get()
-        summed: list[int] = []
-        accumulator: Tensor | None = None
+        """Run the balancing (``plan_balancing``) across processes: a partial set by :class:`SubsetAverage`,
+        a full synchronization by the all-reduce."""
+        world_size = self.comm.world_size
+        balancing = SubsetAverage(self.comm, self.model_vector.get(), "protocol")
 
         def mean_within_threshold(balancing_set: list[int], newly_added: list[int]) -> bool:
-            nonlocal accumulator
-            senders = [member for member in newly_added if member != coordinator]
-            if rank in senders:
-                self.comm.send(local, [coordinator], "protocol")
-            decision = torch.zeros(1, dtype=torch.uint8, device=local.device)
-            if rank == coordinator:
-                accumulator = self.start_sum(local) if accumulator is None else accumulator
-                for vector in self.comm.receive(local, senders):
-                    accumulator += vector
-                # The mean the set would receive: rounded to the model's dtype once (star_average).
-                mean = self.model_vector.parameters_of((accumulator / len(balancing_set)).to(local.dtype))
-                decision[0] = local_condition_holds(mean, self.reference, self.divergence_threshold)
-                self.comm.send(decision, [other for other in range(world_size) if other != coordinator], "protocol")
-            else:
-                decision = self.comm.receive(decision, [coordinator])[0]
-            summed[:] = balancing_set
-            return bool(decision.item())
+            balancing.reduce(balancing_set, newly_added)
+            if len(balancing_set) == 1:
+                return False  # the mean of one violator is its own model, which the check found violating
+            return balancing.squared_distance(self.reference) <= self.divergence_threshold
 
         balancing_set, self._violation_counter = plan_balancing(
             violators, world_size, self._violation_counter, self._generator, mean_within_threshold
         )
         full_sync = len(balancing_set) == world_size
-        if full_sync and not summed:
+        if full_sync:
             mean = self.average_all("protocol")
+            if self._outer is not None:
+                mean = self._outer.step(mean)
         else:
-            mean = self.star_average(balancing_set, coordinator, "protocol", accumulator, summed)
-        if full_sync and self._outer is not None:
-            mean = self._outer.step(mean)
+            mean = balancing.gather()
         if mean is not None:
             self.model_vector.set(mean)
         if full_sync:

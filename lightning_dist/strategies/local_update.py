@@ -239,39 +239,6 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
                 "refusing to average them into the other replicas"
             )
 
-    def star_average(
-        self,
-        members: Sequence[int],
-        coordinator: int,
-        purpose: str,
-        accumulator: Tensor | None = None,
-        already_summed: Sequence[int] = (),
-    ) -> Tensor | None:
-        """Average among ``members`` through ``coordinator`` (paper 004's coordinator), point to point.
-
-        Members not in ``already_summed`` send their vectors to the coordinator, which adds them to
-        ``accumulator`` (its running sum of the ``already_summed`` vectors, from :meth:`start_sum`, or
-        its own vector when None), divides, and sends the mean to the other members. Returns the mean on members and
-        None elsewhere. Every rank must call it with the same arguments but ``accumulator``.
-        """
-        rank = self.comm.rank
-        local = self.model_vector.get()
-        senders = [member for member in members if member not in already_summed and member != coordinator]
-        if rank in senders:
-            self.comm.send(local, [coordinator], purpose)
-        if rank == coordinator:
-            # Models travel in their own dtype (exact); the sum runs in at least float32 and the
-            # mean is rounded to the model's dtype once, as in average_all.
-            total = self.start_sum(local) if accumulator is None else accumulator
-            for vector in self.comm.receive(local, senders):
-                total += vector
-            mean = (total / len(members)).to(local.dtype)
-            self.comm.send(mean, [member for member in members if member != coordinator], purpose)
-            return mean
-        if rank in members:
-            return self.comm.receive(local, [coordinator])[0]
-        return None
-
     # ------------------------------------------------------------ Lightning hooks
 
     def optimizer_step(

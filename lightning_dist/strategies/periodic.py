@@ -11,6 +11,7 @@ from lightning_dist.algorithms.arguments import check_client_fraction, check_out
 from lightning_dist.algorithms.averaging import sample_participants
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
+from lightning_dist.strategies._subset_average import average_subset
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -19,9 +20,10 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
 
     With ``client_fraction=1`` (periodic averaging, ``sigma_b`` of paper 004) every rank takes part
     and the mean is one all-reduce. With ``client_fraction=C < 1`` (FedAvg, McMahan et al. 2017)
-    a seeded random set of ``max(round(C * m), 1)`` ranks takes part; they send their models to
-    the lowest-ranked participant, which sends their mean back to them. The others keep training
-    their own models.
+    a seeded random set of ``max(round(C * m), 1)`` ranks takes part; they average among themselves
+    with no rank carrying more than its share (each owns a chunk of the sum: a reduce, then an
+    all-gather, :mod:`lightning_dist.algorithms.subset_average`). The others keep training their own
+    models.
 
     DiLoCo (Douillard et al. 2023): with an ``outer_optimizer``, the mean is not handed out as it is.
     Every rank keeps the reference model ``theta`` all replicas started the round from; at the end of
@@ -85,7 +87,7 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             self._replicas_in_sync = True
         else:
             self.raise_if_non_finite(self.model_vector.get())
-            mean = self.star_average(participants, participants[0], "protocol")
+            mean = average_subset(self.comm, self.model_vector.get(), participants, "protocol")
             if mean is not None:
                 self.model_vector.set(mean)
         self._syncs += 1

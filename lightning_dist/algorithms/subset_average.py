@@ -1,0 +1,204 @@
+"""Averaging a subset of ranks with no hot spot: a reduce-scatter, then an all-gather, over contiguous chunks.
+
+Dynamic averaging (paper 004, Algorithm 1) averages a balancing set ``B`` of ranks, grown round by
+round (the authors' DynamicHedgeSync adds ``2 |B|`` ranks while the set's mean violates the local
+condition). Paper 004 routes this through a coordinator, which receives every member's model and
+sends the mean back: ``|B| - 1`` models in and out of one port, a hot spot that grows with ``|B|``
+(at 256 workers on 20 Mbit/s, 2 x 255 models through one port).
+
+Here every member owns one contiguous chunk of the model vector (``|B|`` nearly equal chunks, in
+member order):
+
+- **reduce** (per balancing round): every rank that holds something to add sends each owner the
+  part of it that falls in the owner's chunk; the owner sums what it receives. In the first round
+  the holders are the violators, each with its whole model. In later rounds the holders are the
+  members added by the round, with their whole models, and the previous round's owners, with the
+  partial sums they own: the sum grows incrementally, nothing is sent twice.
+- **decide**: each owner measures its chunk of the set's mean against the reference model; the
+  partial squared distances (8 bytes per rank, 0 off the set) add up to ``||mean(f_B) - r||^2``.
+- **gather** (once, when balancing ends with a partial set): each owner sends its chunk of the
+  mean to every other member.
+
+Cost per member: the reduce sends and receives ``(|B| - 1) / |B|`` of a model (a previous owner
+only its partial sum, ``1 / |B_previous|`` of one), the gather the same again: about two model
+sizes however large ``B`` is, as a bandwidth-optimal all-reduce among the members would, and no
+rank carries more. Ranks outside the set send nothing but the 8-byte distances.
+
+Why direct pieces rather than a ring or a subgroup all-reduce: a new process group per balancing
+is a collective over all ranks and slow to create on NCCL (and sets change every time); a ring
+among members needs ``|B| - 1`` sequential steps, each paying the latency. Direct pieces move the
+same bytes in one batch of point-to-point transfers per phase (NCCL groups them as its own
+all-to-all does; Gloo runs them on its pairwise connections at once). Each phase costs one latency.
+
+Plain torch and plain data: the strategy moves the pieces with ``Communicator.exchange``, the
+simulator over its virtual network; both sum and decide with the functions here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lightning_dist.algorithms.averaging import accumulation_dtype, squared_distance_sum
+
+WHOLE = "whole"
+"""The payload kind of a holder that adds its whole model (the model's dtype)."""
+PARTIAL = "partial"
+"""The payload kind of a holder that adds a partial sum it owns (:func:`accumulation_dtype`)."""
+
+
+class Piece(NamedTuple):
+    """Elements ``[start, stop)`` of the model vector that ``source`` sends to ``destination``.
+
+    ``source == destination`` is a piece a rank adds locally (nothing travels).
+    """
+
+    source: int
+    destination: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def chunk_bounds(num_elements: int, owners: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """``owner -> (start, stop)``: contiguous chunks of ``range(num_elements)`` in the order of ``owners``.
+
+    Sizes differ by at most one (the first ``num_elements % len(owners)`` chunks are one larger).
+    With more owners than elements the last owners own empty chunks.
+    """
+    if not owners:
+        raise ValueError("owners must name at least one rank; got none")
+    size, larger = divmod(num_elements, len(owners))
+    bounds, start = {}, 0
+    for index, owner in enumerate(owners):
+        stop = start + size + (1 if index < larger else 0)
+        bounds[owner] = (start, stop)
+        start = stop
+    return bounds
+
+
+def reduce_pieces(
+    holdings: Mapping[int, tuple[int, int]], owners: Sequence[int], num_elements: int
+) -> list[Piece]:
+    """The pieces that add every holder's range ``holdings[h] = (start, stop)`` into the owners' chunks.
+
+    One piece per (holder, owner) whose ranges overlap, sorted by destination then source: an
+    owner's sum of its pieces in this order is the same on every rank and in the simulator.
+    """
+    pieces = []
+    for owner, (chunk_start, chunk_stop) in chunk_bounds(num_elements, owners).items():
+        for holder in sorted(holdings):
+            start, stop = max(chunk_start, holdings[holder][0]), min(chunk_stop, holdings[holder][1])
+            if start < stop:
+                pieces.append(Piece(holder, owner, start, stop))
+    return pieces
+
+
+def round_pieces(members: Sequence[int], added: Sequence[int], num_elements: int) -> tuple[list[Piece], set[int]]:
+    """The reduce of one balancing round: ``(pieces, whole_holders)``.
+
+    ``members`` is the set after the round, ``added`` the ranks the round added (all of ``members``
+    in the first round). Added ranks add their whole model; the other members the chunk they own
+    since the previous round (of the chunks of ``members`` less ``added``). ``whole_holders`` tells
+    a receiver which pieces arrive in the model's dtype (the others are partial sums).
+    """
+    added_set = set(added)
+    previous = [member for member in members if member not in added_set]
+    holdings: dict[int, tuple[int, int]] = {rank: (0, num_elements) for rank in added}
+    if previous:
+        holdings.update(chunk_bounds(num_elements, previous))
+    return reduce_pieces(holdings, members, num_elements), added_set
+
+
+def gather_pieces(members: Sequence[int], num_elements: int) -> list[Piece]:
+    """The all-gather that ends a balancing: every owner's chunk of the mean to every other member."""
+    return [
+        Piece(owner, member, start, stop)
+        for owner, (start, stop) in chunk_bounds(num_elements, members).items()
+        if start < stop
+        for member in members
+        if member != owner
+    ]
+
+
+def sum_pieces(
+    received: Iterable[tuple[Piece, Tensor]], chunk: tuple[int, int], dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """An owner's chunk of the sum, on ``device``: every received piece added at its offset, in the order given.
+
+    Summed in :func:`accumulation_dtype` of the model's ``dtype``; pieces may be in the model's
+    dtype (whole models) or already in the accumulation dtype (partial sums).
+    """
+    total = torch.zeros(chunk[1] - chunk[0], dtype=accumulation_dtype(dtype), device=device)
+    for piece, values in received:
+        total[piece.start - chunk[0] : piece.stop - chunk[0]] += values
+    return total
+
+
+def chunk_mean(chunk_sum: Tensor, count: int, dtype: torch.dtype) -> Tensor:
+    """The chunk of the mean of ``count`` models: the sum divided once, rounded to the models' ``dtype`` once."""
+    return (chunk_sum / count).to(dtype)
+
+
+def chunk_distance(mean: Tensor, chunk: tuple[int, int], reference: Tensor) -> Tensor:
+    """This chunk's share of ``||mean(f_B) - r||^2`` (float64, 0-d): the entries that are parameters.
+
+    ``reference`` holds the parameters only (the first ``len(reference)`` entries of the model
+    vector; buffers follow them and are not part of the local condition).
+    """
+    stop = min(chunk[1], reference.numel())
+    if stop <= chunk[0]:
+        return torch.zeros((), dtype=torch.float64, device=mean.device)
+    return squared_distance_sum([(mean[: stop - chunk[0]], reference[chunk[0] : stop])])
+
+
+def piece_bytes(piece: Piece, kind: str, dtype: torch.dtype) -> int:
+    """Bytes a piece carries: the model's element size for ``WHOLE`` holders, the accumulation dtype's for ``PARTIAL``."""
+    element = accumulation_dtype(dtype) if kind == PARTIAL else dtype
+    return piece.size * torch.empty((), dtype=element).element_size()
+
+
+def average_subset(
+    models: Mapping[int, Tensor], rounds: Sequence[Sequence[int]], reference: Tensor
+) -> tuple[Tensor, list[float]]:
+    """The plan run in one process: the executable definition the strategy and the simulator are tested against.
+
+    ``rounds`` are the balancing sets after each round (each containing the previous one); the
+    models of every rank in the last set are in ``models``. Returns the mean of the last set
+    (the gather's result, every member's new model) and, per round, ``||mean(f_B) - r||^2`` as
+    the owners' chunks add it up.
+    """
+    num_elements = next(iter(models.values())).numel()
+    dtype = next(iter(models.values())).dtype
+    owned: dict[int, Tensor] = {}
+    previous: list[int] = []
+    distances: list[float] = []
+    for members in rounds:
+        added = [member for member in members if member not in previous]
+        pieces, whole = round_pieces(members, added, num_elements)
+        previous_bounds = chunk_bounds(num_elements, previous) if previous else {}
+        chunks = chunk_bounds(num_elements, members)
+        received: dict[int, list[tuple[Piece, Tensor]]] = {member: [] for member in members}
+        for piece in pieces:
+            if piece.source in whole:
+                values = models[piece.source][piece.start : piece.stop]
+            else:
+                offset = previous_bounds[piece.source][0]
+                values = owned[piece.source][piece.start - offset : piece.stop - offset]
+            received[piece.destination].append((piece, values))
+        owned = {member: sum_pieces(received[member], chunks[member], dtype) for member in members}
+        distance = sum(
+            float(chunk_distance(chunk_mean(owned[member], len(members), dtype), chunks[member], reference))
+            for member in members
+        )
+        distances.append(distance)
+        previous = list(members)
+    mean = torch.cat([chunk_mean(owned[member], len(previous), dtype) for member in previous])
+    return mean, distances

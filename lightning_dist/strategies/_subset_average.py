@@ -1,0 +1,121 @@
+"""Averaging a subset of ranks over a :class:`~lightning_dist.comm.Communicator`, with no hot spot.
+
+Runs :mod:`lightning_dist.algorithms.subset_average`'s plan (reduce into per-member chunks, then
+all-gather the chunks of the mean) as batches of point-to-point transfers. Dynamic averaging's
+balancing grows the set round by round and asks after each round whether the set's mean lies
+within the threshold; FedAvg averages its participants in one round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.subset_average import (
+    chunk_bounds,
+    chunk_distance,
+    chunk_mean,
+    gather_pieces,
+    round_pieces,
+    sum_pieces,
+)
+from lightning_dist.comm import Communicator
+
+
+class SubsetAverage:
+    """One averaging of a set of ranks in progress, as this rank sees it.
+
+    Every rank of the group creates one with its own model vector and calls the same methods with
+    the same arguments (the plan is computed, never exchanged). Members own a chunk of the running
+    sum between rounds; ranks outside the set move nothing but the distances.
+
+    Args:
+        comm: the strategy's communicator (all ranks).
+        local: this rank's model vector (parameters, then floating-point buffers).
+        purpose: the byte counter the transfers are recorded under.
+    """
+
+    def __init__(self, comm: Communicator, local: Tensor, purpose: str) -> None:
+        self.comm = comm
+        self.local = local
+        self.purpose = purpose
+        self.members: list[int] = []
+        self._owned: Tensor | None = None  # this rank's chunk of the members' sum, in the accumulation dtype
+        self._chunk: tuple[int, int] = (0, 0)
+
+    def reduce(self, members: Sequence[int], added: Sequence[int]) -> None:
+        """Add the models of ``added`` to the sum; ``members`` (the set after this round) now own its chunks."""
+        rank, local, numel = self.comm.rank, self.local, self.local.numel()
+        pieces, whole = round_pieces(members, added, numel)
+        start = self._chunk[0]
+        sends, receives, mine = [], [], []
+        for piece in pieces:
+            held = local if piece.source in whole else None
+            if piece.source == rank:
+                values = held[piece.start : piece.stop] if held is not None else self._owned_piece(piece.start, piece.stop, start)
+                if piece.destination == rank:
+                    mine.append((piece, values))
+                else:
+                    sends.append((values, piece.destination))
+            elif piece.destination == rank:
+                dtype = local.dtype if piece.source in whole else accumulation_dtype(local.dtype)
+                buffer = torch.empty(piece.size, dtype=dtype, device=local.device)
+                receives.append((buffer, piece.source))
+                mine.append((piece, buffer))
+        self.comm.exchange(sends, receives, self.purpose)
+        self.members = list(members)
+        if rank in self.members:
+            self._chunk = chunk_bounds(numel, self.members)[rank]
+            self._owned = sum_pieces(mine, self._chunk, local.dtype, local.device)
+        else:
+            self._owned, self._chunk = None, (0, 0)
+
+    def _owned_piece(self, start: int, stop: int, offset: int) -> Tensor:
+        assert self._owned is not None, "a rank sends a partial sum only of a chunk it owns"
+        return self._owned[start - offset : stop - offset]
+
+    def squared_distance(self, reference: Tensor) -> float:
+        """``||mean(f_B) - r||^2`` over the parameters, the same float on every rank (an all-gather of 8 bytes).
+
+        ``reference`` holds the parameters only. Each member measures its chunk of the mean; the
+        shares are added in rank order on every rank.
+        """
+        if self._owned is None:
+            share = torch.zeros((), dtype=torch.float64, device=self.local.device)
+        else:
+            share = chunk_distance(self._mean_chunk(), self._chunk, reference)
+        shares = self.comm.all_gather(share.view(1), purpose=self.purpose).view(-1).tolist()
+        total = math.fsum(shares)
+        return total if math.isfinite(total) else math.inf
+
+    def _mean_chunk(self) -> Tensor:
+        assert self._owned is not None
+        return chunk_mean(self._owned, len(self.members), self.local.dtype)
+
+    def gather(self) -> Tensor | None:
+        """The mean of the members' models on every member (None elsewhere): each owner's chunk to the others."""
+        rank = self.comm.rank
+        if rank not in self.members:
+            return None
+        mean = torch.empty_like(self.local)
+        own = self._mean_chunk()
+        mean[self._chunk[0] : self._chunk[1]] = own
+        sends, receives = [], []
+        for piece in gather_pieces(self.members, self.local.numel()):
+            if piece.source == rank:
+                sends.append((own, piece.destination))
+            elif piece.destination == rank:
+                receives.append((mean[piece.start : piece.stop], piece.source))
+        self.comm.exchange(sends, receives, self.purpose)
+        return mean
+
+
+def average_subset(comm: Communicator, local: Tensor, members: Sequence[int], purpose: str) -> Tensor | None:
+    """The mean of ``members``' models on every member, None elsewhere (every rank calls it with the same members)."""
+    averaging = SubsetAverage(comm, local, purpose)
+    averaging.reduce(members, members)
+    return averaging.gather()
