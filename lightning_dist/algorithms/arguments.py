@@ -37,8 +37,31 @@ def check_steps(name: str, value: object, meaning: str) -> int:
 def check_divergence_threshold(value: object) -> float:
     """Paper 004's ``Delta``: a finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"divergence_threshold must be a finite number > 0 (squared L2 distance); got {value!r}")
+        raise ValueError(
+            "divergence_threshold must be None (measured in the run) or a finite number > 0 (squared L2 distance); "
+            f"got {value!r}"
+        )
     return float(value)
+
+
+def check_dynamic_schedule(
+    divergence_threshold: object, check_every: object, calibration_steps: object
+) -> tuple[float | None, int, int]:
+    """Dynamic averaging's ``Delta`` (None: calibrated in the run), ``b`` and the calibration window.
+
+    ``calibration_steps`` must be a multiple of ``check_every``: the threshold is measured at a check.
+    """
+    threshold = None if divergence_threshold is None else check_divergence_threshold(divergence_threshold)
+    check_every = check_steps("check_every", check_every, "optimizer steps between local-condition checks")
+    calibration_steps = check_steps(
+        "calibration_steps", calibration_steps, "local steps whose drift sets the threshold when it is None"
+    )
+    if calibration_steps % check_every:
+        raise ValueError(
+            f"calibration_steps must be a multiple of check_every={check_every} (the drift is measured at a check); "
+            f"got {calibration_steps}"
+        )
+    return threshold, check_every, calibration_steps
 
 
 def check_client_fraction(value: object) -> float:

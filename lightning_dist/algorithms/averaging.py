@@ -67,6 +67,32 @@ def local_condition_holds(model: Tensor, reference: Tensor, divergence_threshold
     return math.isfinite(distance) and distance <= divergence_threshold
 
 
+def calibrated_threshold(drifts: Sequence[float], steps: int) -> float:
+    """``Delta`` for a run that did not set one: the mean over ranks of ``||f^i - r||^2`` after ``steps`` local steps.
+
+    Every replica starts from ``r`` and trains alone for ``steps`` steps; the squared distance each
+    has moved by then is what a periodic protocol with period ``steps`` lets build up before its first
+    synchronization. Taking that as ``Delta`` makes the local conditions (paper 004, Algorithm 1) fire
+    when the replicas have moved as far as they moved in ``steps`` steps at the start of training: as
+    often as ``sigma_steps`` while the drift per step stays what it was, less often as it falls (the
+    regime where paper 004 saves communication), more often after a concept drift. Units then come
+    from the run (model size, learning rate, optimizer), not from paper 004's MNIST net, whose
+    absolute 0.1-1.0 are orders of magnitude off on other models; this measurement is our extension.
+    Paper 004's link between the two protocols is Theorem 5 (appendix): dynamic averaging keeps a
+    periodic protocol's loss bound when ``Delta`` bounds the divergence that protocol allows.
+
+    Raises when the mean is not a positive finite number (the replicas did not move): then no
+    threshold can be measured and the caller must set one.
+    """
+    mean = math.fsum(drifts) / len(drifts) if drifts else math.nan
+    if not (math.isfinite(mean) and mean > 0):
+        raise ValueError(
+            f"divergence_threshold=None measures Delta as the replicas' mean squared drift after calibration_steps="
+            f"{steps} local steps, but that was {mean!r} (the parameters did not move): set divergence_threshold"
+        )
+    return mean
+
+
 def divergence(models: Sequence[Tensor]) -> float:
     """Model divergence ``delta(f) = 1/m sum_i ||f^i - mean(f)||^2`` (paper 004, eq. 2)."""
     stacked = torch.stack([model.double() for model in models])

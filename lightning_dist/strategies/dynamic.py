@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional
 
-import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_divergence_threshold, check_outer_optimizer, check_steps
-from lightning_dist.algorithms.averaging import plan_balancing, squared_distance_sum
+from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer
+from lightning_dist.algorithms.averaging import calibrated_threshold, plan_balancing, squared_distance_sum
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
 from lightning_dist.strategies._subset_average import SubsetAverage
@@ -37,10 +37,19 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     members. A member sends and receives about two model sizes however large ``B`` is; ranks
     outside ``B`` send only their distances.
 
+    The threshold. ``divergence_threshold`` is paper 004's absolute ``Delta`` (squared L2 over all
+    flattened parameters); the authors' MNIST scripts used 0.1 to 1.0 for small CNNs, which is orders
+    of magnitude off for other models (a 1.3M-parameter transformer drifts by 7 in 10 steps). So by
+    default (None) the run measures it: the replicas train alone for ``calibration_steps`` steps,
+    the mean of their ``||f_i - r||^2`` then becomes ``Delta`` (logged, and kept in checkpoints),
+    and a full synchronization starts the dynamic protocol
+    (:func:`~lightning_dist.algorithms.averaging.calibrated_threshold` says why this is the drift of
+    a periodic protocol with period ``calibration_steps``). Afterwards the replicas synchronize when
+    they have drifted as far as they did in their first ``calibration_steps`` steps.
+
     Choices where the paper is silent: the distance covers parameters only (not buffers);
     floating-point buffers are averaged with the parameters; optimizer state (momentum) stays
-    local, as in the authors' platform. ``divergence_threshold`` is absolute (squared L2 over all
-    flattened parameters); the authors' MNIST scripts used 0.1 to 1.0 for small CNNs.
+    local, as in the authors' platform.
 
     DiLoCo's outer step at full synchronizations (our extension, with ``outer_optimizer``): the
     reference model ``r`` is the model every replica held after the last full synchronization, and
@@ -53,9 +62,13 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     mean, as without the option.
 
     Args:
-        divergence_threshold: ``Delta > 0``. Default 0.7, a setting of paper 004's MNIST study.
+        divergence_threshold: ``Delta > 0``, or None (default) to measure it in the run as above.
         check_every: ``b >= 1``, optimizer steps between local-condition checks. Default 10
             (paper 004's MNIST study).
+        calibration_steps: with ``divergence_threshold=None``, the local steps whose drift sets
+            ``Delta``, a multiple of ``check_every``; not used when ``divergence_threshold`` is set.
+            Default 100: on the package's language model the threshold this measures is the best
+            one tried (README, "Dynamic averaging's threshold").
         seed: seeds the random augmentation of the balancing set (the same on every rank).
         outer_optimizer: None (default): a full synchronization hands out the mean. Otherwise the
             outer optimizer applied there, built from a list of tensors, as in
@@ -68,19 +81,23 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
 
     def __init__(
         self,
-        divergence_threshold: float = 0.7,
+        divergence_threshold: Optional[float] = None,
         check_every: int = 10,
+        calibration_steps: int = 100,
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
         **kwargs: Any,
     ) -> None:
-        divergence_threshold = check_divergence_threshold(divergence_threshold)
-        check_every = check_steps("check_every", check_every, "optimizer steps between checks")
+        divergence_threshold, check_every, calibration_steps = check_dynamic_schedule(
+            divergence_threshold, check_every, calibration_steps
+        )
         outer_optimizer = check_outer_optimizer(outer_optimizer)
         super().__init__(seed=seed, **kwargs)
         self.divergence_threshold = divergence_threshold
         self.check_every = check_every
+        self.calibration_steps = calibration_steps
         self.outer_optimizer = outer_optimizer
+        self._threshold = divergence_threshold  # the Delta in use: None until calibrated
         self._outer: OuterStep | None = None
         self._reference: Tensor | None = None
         self._violation_counter = 0
@@ -99,17 +116,31 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             raise RuntimeError("DynamicAveragingStrategy has no reference model before setup")
         return self._reference
 
+    @property
+    def threshold(self) -> float | None:
+        """The ``Delta`` in use: ``divergence_threshold``, or the measured one (None until measured)."""
+        return self._threshold
+
     def after_local_step(self, step: int) -> None:
-        if step % self.check_every != 0:
+        if step % self.check_every != 0 or (self._threshold is None and step < self.calibration_steps):
             return
         self._checks += 1
         # Parameter by parameter against views of the reference, in float64 chunks: no copy of the
-        # whole model (the flat vector is built only when models move, in _resolve).
+        # whole model (the flat vector is built only when models move).
         vector = self.model_vector
         distance = squared_distance_sum(zip(vector.parameters, vector.parameter_views(self.reference)))
         distances = self.comm.all_gather(distance.view(1), purpose="protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
-        violators = [rank for rank, value in enumerate(distances) if value > self.divergence_threshold]
+        if self._threshold is None:
+            self._threshold = calibrated_threshold(distances, self.calibration_steps)
+            rank_zero_info(
+                f"{type(self).__name__}: divergence threshold Delta = {self._threshold:.6g}, the replicas' mean "
+                f"||f_i - r||^2 after {step} local steps (calibration_steps={self.calibration_steps}); a full "
+                "synchronization starts the dynamic protocol"
+            )
+            self._full_sync()
+            return
+        violators = [rank for rank, value in enumerate(distances) if value > self._threshold]
         if violators:
             self._violations += len(violators)
             self._resolve(violators)
@@ -117,38 +148,49 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     def _resolve(self, violators: list[int]) -> None:
         """Run the balancing (``plan_balancing``) across processes: a partial set by :class:`SubsetAverage`,
         a full synchronization by the all-reduce."""
-        world_size = self.comm.world_size
+        threshold = self._threshold
+        assert threshold is not None
         balancing = SubsetAverage(self.comm, self.model_vector.get(), "protocol")
 
         def mean_within_threshold(balancing_set: list[int], newly_added: list[int]) -> bool:
             balancing.reduce(balancing_set, newly_added)
             if len(balancing_set) == 1:
                 return False  # the mean of one violator is its own model, which the check found violating
-            return balancing.squared_distance(self.reference) <= self.divergence_threshold
+            return balancing.squared_distance(self.reference) <= threshold
 
         balancing_set, self._violation_counter = plan_balancing(
-            violators, world_size, self._violation_counter, self._generator, mean_within_threshold
+            violators, self.comm.world_size, self._violation_counter, self._generator, mean_within_threshold
         )
-        full_sync = len(balancing_set) == world_size
-        if full_sync:
-            mean = self.average_all("protocol")
-            if self._outer is not None:
-                mean = self._outer.step(mean)
-        else:
-            mean = balancing.gather()
+        if len(balancing_set) == self.comm.world_size:
+            self._full_sync()
+            return
+        mean = balancing.gather()
         if mean is not None:
             self.model_vector.set(mean)
-        if full_sync:
-            self._reference = self.model_vector.parameters_of(mean).clone()
-            self._replicas_in_sync = True
-            self._full_syncs += 1
-        else:
-            self._partial_syncs += 1
+        self._partial_syncs += 1
         self._syncs += 1
+
+    def _full_sync(self) -> None:
+        """Every replica and ``r`` become the mean of all replicas (the all-reduce), or DiLoCo's outer step from it."""
+        mean = self.average_all("protocol")
+        if self._outer is not None:
+            mean = self._outer.step(mean)
+        self.model_vector.set(mean)
+        self._reference = self.model_vector.parameters_of(mean).clone()
+        self._replicas_in_sync = True
+        self._full_syncs += 1
+        self._syncs += 1
+
+    def on_replicas_averaged(self, vector: Tensor) -> None:
+        """Every replica holds ``vector`` (the end of ``fit``): a full synchronization in all but name, so, as
+        after one (paper 004), ``r`` becomes that model and the violation counter starts again."""
+        self._reference = self.model_vector.parameters_of(vector).clone()
+        self._violation_counter = 0
 
     def protocol_state_dict(self) -> dict[str, Any]:
         return {
             "reference": self.reference.cpu(),
+            "divergence_threshold": self._threshold,
             "violation_counter": self._violation_counter,
             "checks": self._checks,
             "violations": self._violations,
@@ -159,6 +201,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
 
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
         self._reference = state["reference"].to(self.root_device)
+        self._threshold = self._threshold_to_resume(state)
         self._violation_counter = state["violation_counter"]
         self._checks = state["checks"]
         self._violations = state["violations"]
@@ -166,10 +209,23 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         self._partial_syncs = state["partial_syncs"]
         load_outer_state(self._outer, state, type(self).__name__)
 
+    def _threshold_to_resume(self, state: Mapping[str, Any]) -> float | None:
+        """The checkpoint's ``Delta`` (measured or set), unless this run sets another one explicitly."""
+        saved = state.get("divergence_threshold")
+        if self.divergence_threshold is not None and saved is not None and saved != self.divergence_threshold:
+            rank_zero_info(
+                f"{type(self).__name__}: the checkpoint's divergence threshold {saved:.6g} is replaced by "
+                f"divergence_threshold={self.divergence_threshold:.6g} as this run sets it"
+            )
+        return self.divergence_threshold if self.divergence_threshold is not None else saved
+
     def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
-        """Kept: the reference model ``r`` is the last full synchronization's, and the violation counter,
-        the violations since then, forces the next one once it reaches the new number of ranks (``v >= m``)."""
-        return state
+        """Every replica starts from the checkpoint's consensus, a full synchronization in all but name: so, as
+        after one, ``r`` becomes that model and the violation counter starts at 0. Kept: the threshold (measured
+        or set: the drift per step does not depend on the number of ranks), the counts and DiLoCo's outer state
+        (its own anchor and momentum)."""
+        consensus = self.model_vector.parameters_of(self.model_vector.get()).cpu()
+        return {**state, "reference": consensus, "violation_counter": 0}
 
     def protocol_metrics(self) -> dict[str, float]:
         return {
@@ -177,5 +233,6 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             "dynamic/violations": float(self._violations),
             "dynamic/full_syncs": float(self._full_syncs),
             "dynamic/partial_syncs": float(self._partial_syncs),
+            **({} if self._threshold is None else {"dynamic/divergence_threshold": self._threshold}),
             **({} if self._outer is None else self._outer.metrics()),
         }

@@ -158,6 +158,10 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
     def on_replicas_initialized(self, vector: Tensor) -> None:
         """Called on every rank once all replicas equal ``vector`` (the common start model)."""
 
+    def on_replicas_averaged(self, vector: Tensor) -> None:
+        """Called on every rank once every replica was set to ``vector``, the consensus, outside the protocol
+        (at the end of ``fit``)."""
+
     @abstractmethod
     def after_local_step(self, step: int) -> None:
         """The protocol: called on every rank after its ``step``-th optimizer step (1-based)."""
@@ -338,8 +342,10 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if not self._replicas_in_sync:
-            self.model_vector.set(self.consensus("final"))
+            consensus = self.consensus("final")
+            self.model_vector.set(consensus)
             self._replicas_in_sync = True
+            self.on_replicas_averaged(consensus)
         self.log_comm_stats()
 
     def on_exception(self, exception: BaseException) -> None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_dist.algorithms.averaging import (
+    calibrated_threshold,
     augment_balancing_set,
     balance_models,
     count_violations,
@@ -67,6 +68,13 @@ def test_bfloat16_means_are_the_exact_mean_rounded_once():
     assert not torch.equal(running / torch.tensor(weights, dtype=bf16).sum(), weighted)
     running = models[0] + models[1] + models[2]
     assert not torch.equal(running / 3, plain)
+
+
+def test_calibrated_threshold_is_the_mean_drift_and_refuses_replicas_that_did_not_move():
+    assert calibrated_threshold([1.0, 2.0, 6.0], steps=100) == 3.0
+    for drifts in ([0.0, 0.0], [1.0, float("nan")], []):
+        with pytest.raises(ValueError, match="calibration_steps=100 .*set divergence_threshold"):
+            calibrated_threshold(drifts, steps=100)
 
 
 def test_divergence_is_mean_squared_distance_to_mean():

@@ -251,3 +251,30 @@ def predict(module: nn.Module) -> Tensor:
     _, _, x, _ = digits_tensors()
     module.eval()
     return module(x).argmax(dim=1)
+
+
+class _Divide(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, stored: Tensor) -> Tensor:
+        return stored / self.scale
+
+
+def in_other_units(module: nn.Module, scale: float) -> nn.Module:
+    """``module`` with every parameter stored ``scale`` times larger and divided by ``scale`` where it is used.
+
+    The function it computes is unchanged; SGD on the stored parameters with its learning rate times ``scale**2``
+    follows the same trajectory of the used weights (the gradient of a stored parameter is ``1/scale`` times the
+    used weight's, and its step moves the used weight by ``1/scale`` of its own), while every squared distance between
+    stored parameters is ``scale**2`` times larger: the same training in other units.
+    """
+    from torch.nn.utils import parametrize
+
+    for layer in [sub for sub in module.modules() if isinstance(sub, nn.Linear)]:
+        for name in ("weight", "bias"):
+            with torch.no_grad():
+                getattr(layer, name).mul_(scale)
+            parametrize.register_parametrization(layer, name, _Divide(scale))
+    return module

@@ -10,8 +10,23 @@ from lightning_dist import DynamicAveragingStrategy, PeriodicAveragingStrategy
 
 @pytest.mark.parametrize("value", [0, 0.0, -1.0, float("nan"), float("inf"), "1", True])
 def test_divergence_threshold(value):
-    with pytest.raises(ValueError, match=r"divergence_threshold must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"divergence_threshold must be None \(measured in the run\) or a finite number > 0"):
         DynamicAveragingStrategy(divergence_threshold=value)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (0, r"calibration_steps must be an integer >= 1"),
+    (True, r"calibration_steps must be an integer >= 1"),
+    (15, r"calibration_steps must be a multiple of check_every=10 .*; got 15"),
+])
+def test_calibration_steps(value, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicAveragingStrategy(calibration_steps=value)
+
+
+def test_the_default_threshold_is_measured_and_an_explicit_one_is_used_as_given():
+    assert DynamicAveragingStrategy().threshold is None
+    assert DynamicAveragingStrategy(divergence_threshold=2).threshold == 2.0
 
 
 @pytest.mark.parametrize("value", [0, -3, 1.5, True])

@@ -133,8 +133,8 @@ def test_a_replica_saved_from_another_gpu_loads_on_the_host(monkeypatch):
 # asynchronous runs of one configuration scored 0.41-0.49 from launch to launch, more than the spread of one pair,
 # and the resize rule (server kept, workers reset) is the same in both modes.
 RESIZED = {
-    "dynamic": {"strategy": {"class": "DynamicAveragingStrategy",
-                             "kwargs": {"divergence_threshold": 0.05, "check_every": 4}}},
+    # The threshold measured in the run (after 8 steps), kept in the checkpoint and at the new size.
+    "dynamic": {"strategy": {"class": "DynamicAveragingStrategy", "kwargs": {"check_every": 4, "calibration_steps": 8}}},
     "periodic": {"strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4}}},
     "segmented_gossip": {"strategy": {"class": "SegmentedGossipStrategy",
                                       "kwargs": {"segments": 4, "replicas": 1, "period": 4}},
@@ -192,6 +192,9 @@ def test_resume_at_another_world_size(resized, case):
             assert torch.equal(result["vector"], results[0]["vector"])
             assert result["global_step"] == result["local_steps"]
             assert result["global_step"] == checkpoint["global_step"] + full[new][case][0]["global_step"] // 2
+            if case == "dynamic":
+                measured = checkpoint["lightning_dist"]["protocol"]["divergence_threshold"]
+                assert measured is not None and result["protocol"]["divergence_threshold"] == measured
         # Noise: how far the uninterrupted runs at 3 and 2 processes lie apart (0.07-0.08 for the averaging
         # strategies and Downpour on this 4-epoch, class-sorted task); a resumed run trains half at each size and
         # must not lie further out than that.

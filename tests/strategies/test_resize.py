@@ -64,3 +64,27 @@ def test_downpour_keeps_the_server_and_resets_its_per_worker_buffers():
     assert torch.equal(server.worker_buffers, torch.tensor([[13.0, 23.0], [13.0, 23.0]]))
     server.push(push_message(torch.tensor([0.0, 0.0, 17.0, 27.0]), server.vector, 2), server.version, 1)
     assert torch.equal(server.vector[2:], torch.tensor([15.0, 25.0]))
+
+
+def test_dynamic_averaging_at_another_world_size_starts_from_the_consensus_as_after_a_full_synchronization():
+    """3 -> 2: every replica holds the checkpoint's consensus, so the reference becomes it and the violation counter
+    0 (a check right after the resume must not synchronize identical models); the threshold, measured or set, and the
+    counts are kept."""
+    from torch import nn
+
+    from lightning_dist.model_vector import ModelVector
+    from lightning_dist.strategies import DynamicAveragingStrategy
+
+    strategy = DynamicAveragingStrategy(parallel_devices=[torch.device("cpu")] * 2)
+    module = nn.Linear(3, 1)
+    strategy._vector = ModelVector(module)
+    consensus = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    strategy.model_vector.set(consensus)
+    saved = {"reference": torch.zeros(4), "divergence_threshold": 3.5, "violation_counter": 2, "checks": 9,
+             "violations": 4, "full_syncs": 2, "partial_syncs": 1}
+    resized = strategy.resized_protocol_state(saved, written_by=3)
+    assert torch.equal(resized["reference"], consensus) and resized["violation_counter"] == 0
+    assert {key: resized[key] for key in saved if key not in ("reference", "violation_counter")} == {
+        key: value for key, value in saved.items() if key not in ("reference", "violation_counter")}
+    strategy.load_protocol_state_dict(resized)
+    assert strategy.threshold == 3.5

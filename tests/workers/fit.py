@@ -18,7 +18,7 @@ from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers.user_models
-from helpers.user_models import DigitsCNN, DigitsImages  # noqa: E402
+from helpers.user_models import DigitsCNN, DigitsImages, in_other_units  # noqa: E402
 
 
 class InjectNaN(Callback):
@@ -63,6 +63,8 @@ def fit(spec: dict) -> None:
         datamodule = DigitsDataModule(**spec.get("data", {}))
         model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes,
                               **spec.get("model", {}))
+        if "units" in spec:  # the same training with every parameter stored `units` times larger
+            model = in_other_units(model, spec["units"])
     callbacks = [RecordStepZeroVector()]
     if "nan" in spec:
         callbacks.append(InjectNaN(**spec["nan"]))
