@@ -14,8 +14,9 @@ both at its highest bandwidth, neither from a time to target:
   move about 215 Mbit/s through the namespaces (2026-11-24 run), so a 1000 Mbit/s cap is not what
   binds; every smaller cap measured here is below the ceiling and unaffected by it.
 
-Every protocol moves what its strategy moves (DDP and periodic averaging a ring all-reduce, FedAvg a star through the
-lowest participant, DownpourSGD pushes and pulls to a server on rank 0; ``lightning_dist.sim.collectives``).
+Every protocol moves what its strategy moves (DDP and periodic averaging a ring all-reduce, FedAvg a reduce into the
+participants' chunks and an all-gather of the mean, DownpourSGD pushes and pulls to a server on rank 0;
+``lightning_dist.sim.collectives``, ``lightning_dist.sim.protocols.subset_average``).
 
 Part 1, prediction: for every method and bandwidth of the measured JSON, the simulated seconds to
 the measured target loss, the final loss after the same budget of (virtual) seconds and the steps

@@ -1,10 +1,19 @@
 """Protocols with ``topology="strategy"``: the same models as the server topology, with the messages and the time
-of what the lightning_dist strategy moves (ring all-reduce, star through the lowest participant)."""
+of what the lightning_dist strategy moves (ring all-reduce; for a subset of workers, a reduce into the members'
+chunks and an all-gather of the mean's chunks, with no hot spot)."""
 
 import pytest
 import torch
 
 from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.algorithms.subset_average import (
+    PARTIAL,
+    WHOLE,
+    average_subset,
+    gather_pieces,
+    piece_bytes,
+    round_pieces,
+)
 from lightning_dist.sim import (
     DynamicAveraging,
     NetworkModel,
@@ -19,11 +28,14 @@ from sim.test_protocols import PoisonWorker, PushWorkerZero
 
 MEGABIT = 1e6 / 8
 STEP, AGGREGATE, LATENCY, MBIT = 0.01, 0.003, 0.002, 4
+ONE_LANE = NetworkModel(latency=LATENCY, node_mbit=MBIT)
+TWO_LANES = NetworkModel(latency=LATENCY, node_mbit=2 * MBIT, link_mbit=MBIT)
+"""Each port carries two transfers at once at ``MBIT``: a member of a set of 3 sends (receives) its two pieces of a
+phase side by side, so a phase takes one piece's time and one latency whatever order the members post in."""
 
 
-def run(protocol, workers, max_steps):
-    sim = simulation(protocol, workers=workers, max_steps=max_steps,
-                     network=NetworkModel(latency=LATENCY, node_mbit=MBIT),
+def run(protocol, workers, max_steps, network=ONE_LANE):
+    sim = simulation(protocol, workers=workers, max_steps=max_steps, network=network,
                      speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE))
     return sim, sim.run()
 
@@ -63,29 +75,35 @@ def test_periodic_all_reduce_gives_the_server_topologys_models_in_the_ring_time(
     assert server_round > 1.5 * ring
 
 
-def test_fedavg_as_the_strategy_meets_for_the_flags_then_averages_through_the_lowest_participant():
-    workers, period = 6, 4
+@pytest.mark.parametrize(("workers", "network"), [(6, TWO_LANES), (4, ONE_LANE)])
+def test_fedavg_as_the_strategy_meets_for_the_flags_then_averages_in_the_participants_chunks(workers, network):
+    """Half the workers take part. Every worker all-gathers a 1-byte flag; each participant sends every other
+    participant that one's chunk of its model, sums its own chunk (one aggregation), then sends its chunk of the
+    mean to every other participant. 3 participants on two lanes per port, or 2 on one: a participant's transfers
+    of a phase all run at once, so a phase takes one chunk's time and one latency."""
+    period = 4
     protocol = Snapshots(period=period, client_fraction=0.5, topology="strategy", seed=1)
-    sim, result = run(protocol, workers, period)
+    sim, result = run(protocol, workers, period, network)
     participants = protocol.participants(1)
-    assert len(participants) == 3 and participants[0] != 0
+    count = len(participants)
+    assert count == workers // 2 and participants[0] != 0
     mean = weighted_average([protocol.snapshots[period][rank] for rank in participants])
     for rank, replica in enumerate(sim.replicas):
         assert torch.equal(replica.get(), mean if rank in participants else protocol.snapshots[period][rank])
     model_bytes = sim.replicas[0].get().nbytes
-    coordinator = participants[0]
+    assert model_bytes % (4 * count) == 0  # float32 chunks of equal size
+    chunk = model_bytes // count
     flags = workers - 1  # every worker all-gathers a 1-byte flag
-    expected = [flags + (model_bytes if rank in participants[1:] else 0) for rank in range(workers)]
-    expected[coordinator] += 2 * model_bytes
-    assert sim.simulator.network.bytes_sent == expected
+    # A participant: the other participants' chunks of its model, then its chunk of the mean to each of them,
+    # 2 (|P| - 1) / |P| model sizes; no participant sends more than another.
+    assert sim.simulator.network.bytes_sent == [
+        flags + (2 * (count - 1) * chunk if rank in participants else 0) for rank in range(workers)
+    ]
     gather = (workers - 1) * (1 / (MBIT * MEGABIT) + LATENCY)
-    transfer = model_bytes / (MBIT * MEGABIT)
+    phase = chunk / (MBIT * MEGABIT) + LATENCY
     waits = {wait["worker"]: wait["seconds"] for wait in result.waits}
-    assert waits[0] == pytest.approx(gather)  # a non-participant only meets the others
-    # Two uploads through the coordinator's receive port, its aggregation, two downloads out of its send port.
-    star = 2 * transfer + LATENCY + AGGREGATE + 2 * transfer + LATENCY
-    assert max(waits[rank] for rank in participants[1:]) == pytest.approx(gather + star)
-    assert waits[coordinator] == pytest.approx(gather + star)  # its sends return once they are done
+    for rank in range(workers):
+        assert waits[rank] == pytest.approx(gather + (phase + AGGREGATE + phase if rank in participants else 0))
 
 
 @pytest.mark.parametrize(
@@ -115,44 +133,116 @@ class PushedDynamic(PushWorkerZero):
         super().__init__(topology="strategy", **arguments)
 
 
-def test_dynamic_averaging_as_the_strategy_meets_at_every_check_and_balances_through_the_lowest_violator():
-    """One violator (worker 0) coordinates: its own model fails the condition (decision 1), the round adds 2
-    workers, which send their models, the mean of the 3 lies within Delta (decision 2), and the coordinator sends
-    it to the 2. Every worker all-gathers 8 bytes per check and waits for both decisions; only the 3 move."""
+def test_dynamic_averaging_as_the_strategy_meets_at_every_check_and_balances_in_the_members_chunks():
+    """One violator (worker 0): its own model fails the condition (a round of one moves nothing and decides
+    nothing), the next round adds 2 workers. The 2 send each member the piece of their model in its chunk, and
+    worker 0 its sum (its own model) likewise; each member sums its chunk (one aggregation); every worker
+    all-gathers its 8-byte share of the distance, and the mean of the 3 lies within Delta; each member sends its
+    chunk of the mean to the other 2. Every worker all-gathers 8 bytes per check and per decision; only the 3 move
+    models, 4/3 of one each (two lanes per port: each phase takes one chunk's time and one latency)."""
     workers = 8
     protocol = PushedDynamic(divergence_threshold=1.0, check_every=5, seed=3)
-    sim, result = run(protocol, workers, 10)
+    sim, result = run(protocol, workers, 10, TWO_LANES)
     assert protocol.counts == {"checks": 2, "violations": 1, "full_syncs": 0, "partial_syncs": 1}
     model_bytes = sim.replicas[0].get().nbytes
+    assert model_bytes % (4 * 3) == 0  # float32 chunks of equal size
+    chunk = model_bytes // 3
     sent = sim.simulator.network.bytes_sent
-    gathers = 2 * (workers - 1) * 8
+    gathers = 3 * (workers - 1) * 8  # two checks, one decision
     added = [rank for rank in range(1, workers) if sent[rank] > gathers]
-    assert len(added) == 2 and all(sent[rank] == gathers + model_bytes for rank in added)
-    assert sent[0] == gathers + 2 * (workers - 1) * 1 + 2 * model_bytes
-    assert all(sent[rank] == gathers for rank in range(workers) if rank not in [0, *added])
     members = [0, *added]
-    mean = weighted_average([protocol.before[rank, 5] for rank in members])
+    assert len(added) == 2
+    # A member: the other two chunks of its model (worker 0: of its one-member sum), then its chunk of the mean
+    # twice, 2 (|B| - 1) / |B| model sizes.
+    assert sent == [gathers + (4 * chunk if rank in members else 0) for rank in range(workers)]
+    expected, _ = average_subset({rank: protocol.before[rank, 5] for rank in members}, [[0], members],
+                                 protocol.references[0])
+    assert torch.allclose(expected, weighted_average([protocol.before[rank, 5] for rank in members]))
     for rank in range(workers):
-        assert torch.equal(protocol.after[rank, 5], mean if rank in members else protocol.before[rank, 5])
+        assert torch.equal(protocol.after[rank, 5], expected if rank in members else protocol.before[rank, 5])
     waits = {(wait["worker"], wait["step"]): wait["seconds"] for wait in result.waits}
     starts = {(wait["worker"], wait["step"]): wait["start"] for wait in result.waits}
     gather = (workers - 1) * (8 / (MBIT * MEGABIT) + LATENCY)
     # Step 10 (no violator): the gather ends for everyone when the last arrival's gather would.
     ends = [starts[rank, 10] + waits[rank, 10] for rank in range(workers)]
     assert ends == pytest.approx([max(starts[rank, 10] for rank in range(workers)) + gather] * workers)
-    # Step 5, by hand: the gather; the coordinator aggregates its own model and sends its 7 decisions, rank k's
-    # arriving k byte-times later; the first added rank's model arrives after its decision, the second's right
-    # after it (the coordinator's receive port); the second aggregation; the second decisions; the two means.
-    decision, transfer = 1 / (MBIT * MEGABIT), model_bytes / (MBIT * MEGABIT)
-    first, second = added
-    decided = gather + AGGREGATE + first * decision + LATENCY + 2 * transfer + LATENCY + AGGREGATE
-    for rank in range(1, workers):
-        if rank not in members:
-            assert waits[rank, 5] == pytest.approx(decided + rank * decision + LATENCY)
-    means_leave = decided + (workers - 1) * decision  # the decisions leave the send port first
-    assert waits[first, 5] == pytest.approx(means_leave + transfer + LATENCY)
-    assert waits[second, 5] == pytest.approx(means_leave + 2 * transfer + LATENCY)
-    assert waits[0, 5] == pytest.approx(waits[second, 5])  # its sends return once they are done
+    # Step 5, by hand: the distances' gather; the reduce; the owners' aggregation; the decision's gather, which
+    # the others join at once and which ends for all when the members join; the members' gather of the mean.
+    phase = chunk / (MBIT * MEGABIT) + LATENCY
+    decided = gather + phase + AGGREGATE + gather
+    for rank in range(workers):
+        assert waits[rank, 5] == pytest.approx(decided + (phase if rank in members else 0))
+
+
+class PushedTwo(DynamicAveraging):
+    """Workers 0 and 1 move by the same vector (squared length 4) at step 5, run as the strategy runs it."""
+
+    def __init__(self, **arguments):
+        super().__init__(topology="strategy", **arguments)
+
+    def setup(self, simulation):
+        super().setup(simulation)
+        self.before = {}
+
+    def after_step(self, node, rank, step):
+        replica = self.simulation.replicas[rank]
+        if rank in (0, 1) and step == 5:
+            vector, count = replica.get(), replica.vector.num_parameters
+            vector[:count] += (4.0 / count) ** 0.5
+            replica.set(vector)
+        self.before[rank] = replica.get()
+        yield from super().after_step(node, rank, step)
+
+
+def strategy_counters(workers, rounds, numel, dtype):
+    """Bytes and messages per rank that the strategy's ``protocol`` counters record for a partial balancing through
+    ``rounds`` (the sets after each round, the first all violators): the check's and each decision's 8-byte
+    all-gathers, each round's reduce and the final gather, counted at the sender as ``Communicator.exchange`` does."""
+    gathers = 1 + sum(len(members) > 1 for members in rounds)
+    sent = [[gathers * (workers - 1) * 8, gathers * (workers - 1)] for _ in range(workers)]
+    previous = []
+    for members in rounds:
+        pieces, whole = round_pieces(members, [rank for rank in members if rank not in previous], numel)
+        for piece in pieces:
+            if piece.source != piece.destination:
+                sent[piece.source][0] += piece_bytes(piece, WHOLE if piece.source in whole else PARTIAL, dtype)
+                sent[piece.source][1] += 1
+        previous = members
+    for piece in gather_pieces(previous, numel):
+        sent[piece.source][0] += piece_bytes(piece, WHOLE, dtype)
+        sent[piece.source][1] += 1
+    return sent
+
+
+def test_dynamic_averaging_as_the_strategy_sends_what_the_strategys_counters_record_for_a_two_round_balancing():
+    """Violators 0 and 1 (round 1: B = [0, 1], their mean still violates) and 4 added workers (round 2: B of 6,
+    within Delta), of 14 (6 < 14 / 2: no full synchronisation). By hand, for n float32 elements (n divisible by 6:
+    chunks of n / 2, then n / 6): worker 0 sends n / 2 in round 1, then its sum [0, n / 2) less its new chunk
+    [0, n / 6), then 5 chunks of the mean: 5 n / 3. Worker 1 sends n / 2, then all of its sum [n / 2, n) (its new
+    chunk [n / 6, n / 3) is elsewhere), then 5 chunks: 11 n / 6. An added worker sends 5 chunks of its model and
+    5 of the mean: 5 n / 3. Everyone all-gathers 8 bytes three times (the check, two decisions)."""
+    workers = 14
+    protocol = PushedTwo(divergence_threshold=1.0, check_every=5, seed=0)
+    sim, _ = run(protocol, workers, 5)
+    assert protocol.counts == {"checks": 1, "violations": 2, "full_syncs": 0, "partial_syncs": 1}
+    model = sim.replicas[0].get()
+    numel = model.numel()
+    assert numel % 6 == 0
+    sent = sim.simulator.network.bytes_sent
+    gathers = 3 * (workers - 1) * 8
+    added = [rank for rank in range(2, workers) if sent[rank] > gathers]
+    members = [0, 1, *added]
+    assert len(added) == 4
+    sixth = 4 * numel // 6  # bytes of n / 6 elements
+    sixths = {0: 10, 1: 11, **{rank: 10 for rank in added}}
+    assert sent == [gathers + sixths.get(rank, 0) * sixth for rank in range(workers)]
+    counters = strategy_counters(workers, [[0, 1], members], numel, model.dtype)
+    assert sent == [nbytes for nbytes, _ in counters]
+    assert sim.simulator.network.messages_sent == [messages for _, messages in counters]
+    expected, _ = average_subset({rank: protocol.before[rank] for rank in members}, [[0, 1], members],
+                                 protocol.references[0])
+    for rank, replica in enumerate(sim.replicas):
+        assert torch.equal(replica.get(), expected if rank in members else protocol.before[rank])
 
 
 def test_dynamic_averaging_as_the_strategy_all_reduces_a_full_synchronisation_forced_by_the_violation_counter():

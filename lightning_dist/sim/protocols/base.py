@@ -22,7 +22,7 @@ Program = Generator[simpy.Event, Any, Any]
 TOPOLOGIES = ("server", "strategy")
 """Where a protocol's averaging runs: ``"server"`` on a server or coordinator node ``N`` (the papers'
 setting); ``"strategy"`` among the workers as the lightning_dist strategy moves it (ring all-reduces,
-stars through the lowest participant, all-gathered flags)."""
+subsets averaged in their members' chunks, all-gathered flags and distances)."""
 
 
 def check_topology(value: object) -> str:

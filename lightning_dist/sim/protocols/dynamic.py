@@ -32,16 +32,23 @@ moves, with no coordinator node; every worker meets the others at every check:
 
 - Every worker all-gathers its ``||f_i - r||^2`` (8 bytes, a ring all-gather of all workers), so
   all learn the violators at the same instant. Without violators everyone trains on.
-- The lowest violator coordinates. Every worker runs
-  :func:`~lightning_dist.algorithms.averaging.balancing_rounds` with its own copy of the shared
-  seeded generator and violation counter, as the strategy's ranks do. In each round the ranks the
-  round added send their models to the coordinator, which aggregates (one ``execute``) and sends
-  its 1-byte decision (the mean of ``B`` within ``Delta`` or not) to every other worker; every
-  worker waits for it, members or not.
-- A full synchronisation forced by the violation counter is one ring all-reduce of all models;
-  otherwise the members the rounds did not fetch send their models, and the coordinator sends the
-  mean to the members and waits for those sends to finish (the strategy's ``star_average`` and
-  its blocking send). Non-members go on after the last decision.
+- Every worker runs :func:`~lightning_dist.algorithms.averaging.balancing_rounds` with its own copy
+  of the shared seeded generator and violation counter, as the strategy's ranks do, and the rounds
+  average the set without a hot spot (:mod:`lightning_dist.sim.protocols.subset_average`, the plan
+  of :mod:`lightning_dist.algorithms.subset_average`): every member owns a contiguous chunk. In each
+  round the ranks it added send each owner the piece of their model in its chunk, and so do the
+  previous round's owners with their partial sums; each owner adds what reaches it (one
+  aggregation). Then every worker, member or not, all-gathers its 8-byte share of
+  ``||mean(f_B) - r||^2`` (the owners' chunks of the mean against ``r``, 0 elsewhere): the sum
+  decides the round. A round of one violator moves nothing and decides nothing (its mean is its
+  own violating model).
+- A full synchronisation (forced by the violation counter, or the augmentation reaching half of
+  the workers) is one ring all-reduce of all models. A partial set ends with each owner sending
+  its chunk of the mean to every other member. A member sends and receives about
+  ``2 (|B| - 1) / |B|`` model sizes per balancing (a member of an earlier round also its partial
+  sum, ``1 / |B_previous|`` of one, per later round); a non-member only the 8-byte gathers.
+  Virtual time: each phase is timed as the strategy's exchange, and each owner's summing is one
+  aggregation (:mod:`lightning_dist.sim.protocols.subset_average`).
 
 Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`): the coordinator balances among the
 workers present. A balancing runs Algorithm 1 over the workers present when it opens (the
@@ -78,6 +85,7 @@ from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
 from lightning_dist.sim.protocols.membership import JOIN, LEFT, Membership, request_admission
+from lightning_dist.sim.protocols.subset_average import SubsetAverage
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 _MODEL = "model"  # worker -> coordinator: (model, violated): a violation report, or the answer to a request
@@ -91,7 +99,7 @@ class DynamicAveraging(Protocol):
     check_every: ``b >= 1``, steps between local-condition checks; default 10.
     seed: seeds the augmentation of the balancing set.
     topology: ``"server"`` (a coordinator node, Algorithm 1 event by event) or ``"strategy"`` (the
-        strategy's all-gathered distances and balancing through the lowest violator).
+        strategy's all-gathered distances, and balancing by a reduce into the members' chunks).
     outer_optimizer: None, or DiLoCo's outer optimizer applied at full synchronisations with ``r`` as
         the anchor, as :class:`~lightning_dist.strategies.DynamicAveragingStrategy` does (one shared
         :class:`~lightning_dist.algorithms.outer.OuterStep`, stepped once per full synchronisation,
@@ -204,71 +212,46 @@ class DynamicAveraging(Protocol):
         if non_finite:
             raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
         violators = [worker for worker, value in enumerate(distances) if value > self.divergence_threshold]
-        coordinator = violators[0] if violators else None
         if rank == 0:
             self.counts["checks"] = check
             self.counts["violations"] += len(violators)
-        if coordinator is None:
+        if not violators:
             return
         rounds = balancing_rounds(violators, len(workers), self._counters[rank], self._generators[rank])
-        models: dict[int, Tensor] = {rank: local}
-        summed: list[int] = []
-        mean = local
+        balancing = SubsetAverage(node, local)
         try:
             members, added = next(rounds)
             for round_index in itertools.count():
-                mean = yield from self._star_sum(node, rank, coordinator, members, added, models, check)
-                if rank == coordinator:
-                    reference = self.references[rank]
-                    within = local_condition_holds(self._parameters(mean), reference, self.divergence_threshold)
-                    for other in workers:
-                        if other != coordinator:
-                            node.send(other, within, tag=("decision", check, round_index), nbytes=1)
+                yield from balancing.reduce(members, added, tag=("reduce", check, round_index))
+                if len(members) == 1:
+                    within = False  # the mean of one violator is its own model, which the check found violating
                 else:
-                    within = (yield node.recv(source=coordinator, tag=("decision", check, round_index))).payload
-                summed = members
+                    within = yield from self._mean_within(node, workers, balancing, rank, (check, round_index))
                 members, added = rounds.send(within)
         except StopIteration as done:
             members, self._counters[rank] = done.value
         full_sync = len(members) == len(workers)
-        if full_sync and not summed:
+        if rank == 0:
+            self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
+        if full_sync:
             nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
             combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
             mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
-        elif rank in members:
-            if members != summed:
-                added = [member for member in members if member not in summed]
-                mean = yield from self._star_sum(node, rank, coordinator, members, added, models, check)
-            if rank == coordinator:
-                if full_sync and self.outer is not None:
-                    mean = self.outer.step(mean)
-                # The strategy's send returns once its transfers are done: the coordinator waits for them.
-                yield node.simulator.env.all_of([node.send(member, mean, tag=("mean", check))
-                                                 for member in members if member != coordinator])
-            else:
-                mean = (yield node.recv(source=coordinator, tag=("mean", check))).payload
         else:
-            return
-        if rank == coordinator:
-            self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
+            mean = yield from balancing.gather(tag=("gather", check))
+            if mean is None:
+                return
         self._take(rank, mean, full_sync)
 
-    def _star_sum(
-        self, node: Node, rank: int, coordinator: int, members: list[int], added: list[int],
-        models: dict[int, Tensor], check: int,
+    def _mean_within(
+        self, node: Node, workers: list[int], balancing: SubsetAverage, rank: int, key: tuple[int, int]
     ) -> Program:
-        """The ranks in ``added`` send their models to the coordinator, which returns the mean of ``members``
-        (one aggregation); other ranks return None."""
-        senders = [member for member in added if member != coordinator]
-        if rank in senders:
-            node.send(coordinator, models[rank], tag=("model", check))
-        if rank != coordinator:
-            return None
-        for _ in senders:
-            message = yield node.recv(tag=("model", check))
-            check_finite(message.payload, message.source)
-            models[message.source] = message.payload
-        return (yield from node.execute(weighted_average, [models[member] for member in members], kind="aggregate"))
+        """Whether the mean of the balancing set lies within ``Delta``: every worker all-gathers its 8-byte share
+        of the distance (the owners' chunks, 0 elsewhere), and all add them up in worker order."""
+        share = balancing.share(self.references[rank])
+        shares = yield from node.all_gather(("decision", *key), workers, share, nbytes=8)
+        total = math.fsum(shares)
+        return math.isfinite(total) and total <= self.divergence_threshold
 
     # ------------------------------------------------------------------ coordinator
 

@@ -12,10 +12,15 @@ the others keep training. ``topology`` says which messages carry it:
   :func:`~lightning_dist.algorithms.averaging.accumulation_dtype` (float32 for a bf16 model: twice
   its bytes), :mod:`lightning_dist.sim.collectives`; no server node. With ``C < 1``, every worker
   first all-gathers a 1-byte finiteness flag (a meeting of all workers each round), then the
-  participants send their models to the lowest participant, which aggregates, sends the mean
-  to the others and waits for those sends to finish, as the strategy's blocking send does.
+  participants average among themselves with no hot spot, as the strategy's ``average_subset``
+  does (:mod:`lightning_dist.sim.protocols.subset_average`, the plan of
+  :mod:`lightning_dist.algorithms.subset_average`): every participant owns a contiguous chunk,
+  receives the others' pieces of their models in it and sums them (one aggregation), then sends
+  its chunk of the mean to every other participant. Each participant sends and receives about
+  ``2 (|P| - 1) / |P|`` model sizes; each phase is timed as the strategy's exchange.
 
-Both give the same models; only the time and the bytes of a round differ.
+Both give the same models (for ``C < 1`` up to the last bit: the strategy's chunks are summed piece by
+piece in participant order, the server stacks the models); only the time and the bytes of a round differ.
 
 Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`): the server averages the workers
 present. A round's participants are drawn from the workers present when it is first needed; the
@@ -44,6 +49,7 @@ from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
 from lightning_dist.sim.protocols.membership import Membership, request_admission
+from lightning_dist.sim.protocols.subset_average import SubsetAverage
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 
@@ -53,7 +59,7 @@ class PeriodicAveraging(Protocol):
     client_fraction: FedAvg's ``C`` in (0, 1]; 1 is periodic averaging.
     seed: seeds the choice of participants.
     topology: ``"server"`` (an aggregation server, paper 002) or ``"strategy"`` (the strategy's
-        all-reduce, or its star through the lowest participant for ``C < 1``).
+        all-reduce, or for ``C < 1`` its reduce into the participants' chunks and all-gather of the mean).
     outer_optimizer: None (plain averaging), or DiLoCo's outer optimizer as the strategy takes it; in
         a config ``{class_path: torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}``
         or an import path such as ``lightning_dist.algorithms.outer.diloco_outer_optimizer``. Needs ``C = 1``.
@@ -129,8 +135,8 @@ class PeriodicAveraging(Protocol):
         return message.payload
 
     def _as_strategy(self, node: Node, rank: int, round_index: int) -> Program:
-        """The strategy's round: all-reduce of every model, or the finiteness all-gather then a star through the
-        lowest participant; returns the mean on participants, None elsewhere."""
+        """The strategy's round: all-reduce of every model, or the finiteness all-gather then the participants'
+        reduce into their chunks and all-gather of the mean; returns the mean on participants, None elsewhere."""
         participants = self.participants(round_index)
         workers = list(range(self.simulation.num_workers))
         local = self.simulation.replicas[rank].get()
@@ -145,22 +151,9 @@ class PeriodicAveraging(Protocol):
                 f"workers {[worker for worker, finite in enumerate(flags) if not finite]} have non-finite models; "
                 "refusing to average them"
             )
-        if rank not in participants:
-            return None
-        coordinator = participants[0]
-        if rank != coordinator:
-            node.send(coordinator, local, tag=("model", round_index))
-            message = yield node.recv(source=coordinator, tag=("mean", round_index))
-            return message.payload
-        models = {rank: local}
-        for _ in participants[1:]:
-            message = yield node.recv(tag=("model", round_index))
-            models[message.source] = message.payload
-        mean = yield from node.execute(weighted_average, [models[m] for m in participants], kind="aggregate")
-        # The strategy's send returns once its transfers are done: the coordinator waits for them.
-        yield node.simulator.env.all_of([node.send(member, mean, tag=("mean", round_index))
-                                         for member in participants[1:]])
-        return mean
+        averaging = SubsetAverage(node, local)
+        yield from averaging.reduce(participants, participants, tag=("reduce", round_index))
+        return (yield from averaging.gather(tag=("gather", round_index)))
 
     def server(self, node: Node) -> Program:
         membership, nbytes = self.membership, self.last_mean.nbytes
