@@ -54,9 +54,10 @@ def with_eval_batch_size(base: type) -> type:
             self.eval_batch_size = eval_batch_size
 
         def val_dataloader(self) -> DataLoader:
+            loader = super().val_dataloader()
             if self.eval_batch_size is None:
-                return super().val_dataloader()
-            return DataLoader(self._require_setup(self.val_set), batch_size=self.eval_batch_size, num_workers=0)
+                return loader
+            return DataLoader(loader.dataset, batch_size=self.eval_batch_size, num_workers=0)
 
     return EvalBatched
 

@@ -119,13 +119,20 @@ def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace,
         }
         for threshold in thresholds
     ]
+    # What strategy="dynamic_avg" gives a user: the threshold measured in the run (the replicas' mean
+    # ||f_i - r||^2 after their first calibration_steps local steps), no sweep.
+    settings.append({
+        "setting": "dynamic_default",
+        "strategy": {"class": "DynamicAveragingStrategy", "kwargs": {"check_every": args.check_every}},
+        "probe": True,
+    })
     seeds = 1 if args.quick else args.seeds
     return [{**setting, **extra, "name": f"{prefix}{setting['setting']}_s{seed}", "seed": seed}
             for seed in range(seeds) for setting in settings]
 
 
 def comparison_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    periods = [10, 50] if args.quick else PERIODS
+    periods = args.periods or ([10, 50] if args.quick else PERIODS)
     thresholds = args.thresholds or ([1.0, 8.0] if args.quick else THRESHOLDS)
     return sweep(periods, thresholds, args)
 
@@ -552,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run: fewer runs and epochs")
     parser.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per setting (default {SEEDS})")
     parser.add_argument("--thresholds", type=float, nargs="+", default=None, help="dynamic divergence thresholds")
+    parser.add_argument("--periods", type=int, nargs="+", default=None, help=f"periodic periods (default {PERIODS})")
     parser.add_argument("--partition", default=TASK["data"]["partition"],
                         help=f"training split over ranks (default {TASK['data']['partition']}; 'iid' is a fixed part per rank)")
     parser.add_argument("--check-every", type=int, default=CHECK_EVERY, help="steps between dynamic checks")

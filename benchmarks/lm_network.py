@@ -13,6 +13,8 @@ receives (``benchmarks/netns.py``; Gloo over TCP), so every byte crosses a slow 
   divergence thresholds calibrated on this workload (``--calibrate``: the median ``||f_i - r||^2``
   after 20 and after 100 local steps without averaging, so a threshold means "about as far as 20
   or 100 steps go");
+- ``dynamic_default``: dynamic averaging as ``strategy="dynamic_avg"`` gives it: the threshold measured in
+  the run (the replicas' mean ``||f_i - r||^2`` after their first 100 local steps), no calibration run;
 - ``segmented_gossip``: paper 002, ``S = 4``, ``R = 2``, every 10 steps;
 - ``downpour``: asynchronous DownpourSGD, a push every 5 steps;
 - ``diloco``: periodic averaging every 50 steps with DiLoCo's outer step (SGD, Nesterov momentum 0.9,
@@ -103,6 +105,9 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
          "strategy": dynamic(thresholds["lo"])},
         {"name": "dynamic_hi", "kind": "dynamic", "label": f"dynamic averaging, Delta={thresholds['hi']:.3g}",
          "strategy": dynamic(thresholds["hi"])},
+        {"name": "dynamic_default", "kind": "dynamic",
+         "label": "dynamic averaging, defaults (Delta measured after 100 steps)",
+         "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY)},
         {"name": "segmented_gossip", "kind": "gossip", "label": "segmented gossip S=4 R=2, every 10 steps",
          "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=2, period=10)},
         {"name": "downpour", "kind": "downpour", "label": "DownpourSGD async, push every 5 steps",
