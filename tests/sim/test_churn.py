@@ -24,6 +24,7 @@ PROTOCOLS = {  # every protocol the simulator has, as (class, arguments)
     "diloco": (PeriodicAveraging, {"period": 4,
                                    "outer_optimizer": "lightning_dist.algorithms.outer.diloco_outer_optimizer"}),
     "dynamic_avg": (DynamicAveraging, {"divergence_threshold": 0.01, "check_every": 2}),
+    "dynamic_avg_measured": (DynamicAveraging, {"check_every": 2, "calibration_steps": 4}),  # Delta at step 4
     "segmented_gossip": (SegmentedGossip, {"segments": 3, "replicas": 2, "period": 4}),
     "parameter_server_async": (ParameterServer, {"push_every": 2}),
     "parameter_server_sync": (ParameterServer, {"push_every": 2, "synchronous": True}),

@@ -99,6 +99,25 @@ def test_dynamic_full_syncs_take_the_outer_step_from_the_reference(topology):
     assert protocol.metrics()["outer/steps"] == 3
 
 
+@pytest.mark.parametrize("topology", ["server", "strategy"])
+def test_the_calibrations_full_sync_takes_the_outer_step_from_the_initial_model(topology):
+    """Delta measured at step 5: the calibration's full synchronization is the first outer step, from the start."""
+    workers = 3
+    protocol = RecordingDynamic(check_every=5, calibration_steps=5, topology=topology, outer_optimizer=OUTER)
+    sim = simulation(protocol, workers=workers, max_steps=5)
+    start = ModelVector(sim.model).get()
+    sim.run()
+    size = sim.replicas[0].vector.num_parameters
+    mean = weighted_average([protocol.before[5, rank] for rank in range(workers)])
+    theta, _ = _nesterov(start[:size].double(), None, mean[:size].double())
+    after = protocol.after[5, 0]
+    assert all(torch.equal(after, protocol.after[5, rank]) for rank in range(1, workers))
+    torch.testing.assert_close(after[:size].double(), theta, rtol=0, atol=1e-5)
+    assert (after - mean).abs().max() > 1e-3
+    assert all(torch.equal(reference, after[:size]) for reference in protocol.references)
+    assert protocol.counts["full_syncs"] == 1 and protocol.metrics()["outer/steps"] == 1
+
+
 def test_outer_optimizer_from_a_sim_yaml(tmp_path):
     """``protocol: {name: periodic, outer_optimizer: {class_path, init_args}}`` in a sim config runs DiLoCo."""
     config = yaml.safe_load((REPO / "configs/sim/periodic.yaml").read_text())

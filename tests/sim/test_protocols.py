@@ -236,7 +236,8 @@ class PoisonWorker:
     [
         (SegmentedGossip, {"segments": 2, "replicas": 1, "period": 3}),
         (PeriodicAveraging, {"period": 3}),
-        (DynamicAveraging, {"check_every": 3}),
+        (DynamicAveraging, {"divergence_threshold": 0.7, "check_every": 3, "calibration_steps": 3}),
+        (DynamicAveraging, {"check_every": 3, "calibration_steps": 3}),  # Delta measured where worker 2 turns NaN
         (ParameterServer, {"push_every": 3}),
     ],
 )

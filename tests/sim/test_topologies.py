@@ -111,7 +111,8 @@ def test_fedavg_as_the_strategy_meets_for_the_flags_then_averages_in_the_partici
     [
         (PeriodicAveraging, {"period": 3}),
         (PeriodicAveraging, {"period": 3, "client_fraction": 0.5}),
-        (DynamicAveraging, {"check_every": 3}),
+        (DynamicAveraging, {"divergence_threshold": 0.7, "check_every": 3, "calibration_steps": 3}),
+        (DynamicAveraging, {"check_every": 3, "calibration_steps": 3}),  # Delta measured where worker 2 turns NaN
         (SegmentedGossip, {"segments": 2, "replicas": 1, "period": 3}),
     ],
 )
@@ -247,7 +248,8 @@ def test_dynamic_averaging_as_the_strategy_sends_what_the_strategys_counters_rec
 
 def test_dynamic_averaging_as_the_strategy_all_reduces_a_full_synchronisation_forced_by_the_violation_counter():
     workers = 4
-    protocol = DynamicAveraging(divergence_threshold=1e-9, check_every=3, topology="strategy")
+    # calibration_steps is not used with a set threshold, but must be a multiple of check_every (as the strategy's).
+    protocol = DynamicAveraging(divergence_threshold=1e-9, check_every=3, calibration_steps=3, topology="strategy")
     sim, result = run(protocol, workers, 6)
     assert protocol.counts == {"checks": 2, "violations": 8, "full_syncs": 2, "partial_syncs": 0}
     model_bytes = sim.replicas[0].get().nbytes

@@ -27,6 +27,21 @@ So only the violators, the ranks added to ``B`` and the coordinator spend virtua
 bytes; members wait from sending their model until the balanced one arrives, so the average of
 all models is what it was (paper 004).
 
+The threshold. ``divergence_threshold`` sets ``Delta``. None (the default) measures it as
+:class:`~lightning_dist.strategies.DynamicAveragingStrategy` does: the workers train alone, with no
+check and no message, until their step ``calibration_steps`` (a multiple of ``check_every``); at that
+check ``Delta`` becomes the mean of the workers' ``||f_i - r||^2``
+(:func:`~lightning_dist.algorithms.averaging.calibrated_threshold`) and a full synchronisation starts
+the protocol, whose later checks use that ``Delta``. With the coordinator, every worker at its
+calibration step sends its model and its drift (8 bytes more) and waits; once the coordinator holds
+the report of every worker present, it sets ``Delta`` to their mean drift, averages the models (one
+aggregation), takes the mean as the reference (after DiLoCo's outer step, with ``outer_optimizer``)
+and sends every reporter the mean and ``Delta`` (8 bytes more), a full synchronisation. With
+``topology="strategy"`` (below) the calibration check is the check's 8-byte all-gather, from which
+every worker computes the same ``Delta``, then the all-reduce of a full synchronisation (the path of
+one the violation counter forces), with no balancing at that check. ``threshold`` holds the ``Delta``
+in use (None until measured), and :meth:`DynamicAveraging.metrics` reports it once known.
+
 ``topology="strategy"`` instead moves what :class:`~lightning_dist.strategies.DynamicAveragingStrategy`
 moves, with no coordinator node; every worker meets the others at every check:
 
@@ -58,6 +73,18 @@ the members whose models it holds and who are still present. Reports of a worker
 dropped. A joiner sends a 1-byte request and starts from the reference model (the last full
 synchronisation's mean, buffers included), as its own reference, going on from its own step;
 a request arriving during a balancing is answered after it, with the new reference if it set one.
+Once ``Delta`` has been measured it travels with the reference model (8 bytes more).
+
+Churn before ``Delta`` is measured: the calibration waits for the workers present only. A worker that
+leaves is not waited for and its report, if the coordinator holds it, is dropped (if every reporter
+leaves, the coordinator waits for reports again). Until the first report has arrived a joiner is
+admitted at once and starts, as above, from the reference model, then still the initial model, as
+its own reference; like every worker without ``Delta`` it reports at its first check from
+``calibration_steps`` on, its drift measured from the initial model over the steps it took (one back
+after its report was lost on the wire reports again at its next check, or after its last step if it
+has none left). A joiner whose request arrives after the first report (during the calibration) waits
+for its end and starts from its mean, with ``Delta``, as a joiner during a balancing does: admitted at
+once, it would make every reporter wait for its steps up to ``calibration_steps``.
 """
 
 from __future__ import annotations
@@ -68,15 +95,11 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import (
-    check_divergence_threshold,
-    check_outer_optimizer,
-    check_steps,
-    outer_optimizer_config,
-)
+from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer, outer_optimizer_config
 from lightning_dist.algorithms.averaging import (
     accumulation_dtype,
     balancing_rounds,
+    calibrated_threshold,
     local_condition_holds,
     squared_distance,
     weighted_average,
@@ -91,12 +114,18 @@ from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 _MODEL = "model"  # worker -> coordinator: (model, violated): a violation report, or the answer to a request
 _REQUEST = "request"  # coordinator -> worker: send your model (payload: the balancing's number)
 _BALANCED = "balanced"  # coordinator -> member: (balancing number, mean, full synchronisation)
+_DRIFT = "drift"  # worker -> coordinator: (model, ||f_i - r||^2): a calibration report
+_CALIBRATED = "calibrated"  # coordinator -> reporter: (mean, Delta): the calibration's full synchronisation
+_FLOAT_BYTES = 8  # a float64 on the wire: a drift, or the measured Delta
 
 
 class DynamicAveraging(Protocol):
     """Args:
-    divergence_threshold: ``Delta > 0``, squared L2 distance to the reference; default 0.7 (paper 004's MNIST study).
+    divergence_threshold: ``Delta > 0``, squared L2 distance to the reference; None (default) to measure it in
+        the run, as :class:`~lightning_dist.strategies.DynamicAveragingStrategy` does (module docstring).
     check_every: ``b >= 1``, steps between local-condition checks; default 10.
+    calibration_steps: with ``divergence_threshold=None``, the steps whose drift sets ``Delta``, a multiple of
+        ``check_every``; default 100, the strategy's. Not used when ``divergence_threshold`` is set.
     seed: seeds the augmentation of the balancing set.
     topology: ``"server"`` (a coordinator node, Algorithm 1 event by event) or ``"strategy"`` (the
         strategy's all-gathered distances, and balancing by a reduce into the members' chunks).
@@ -104,21 +133,27 @@ class DynamicAveraging(Protocol):
         the anchor, as :class:`~lightning_dist.strategies.DynamicAveragingStrategy` does (one shared
         :class:`~lightning_dist.algorithms.outer.OuterStep`, stepped once per full synchronisation,
         at no virtual time); written as for :class:`PeriodicAveraging`.
+
+    Attributes:
+        threshold: the ``Delta`` in use: ``divergence_threshold``, or the measured one (None until measured).
     """
 
     name = "dynamic_avg"
-    arguments = ("divergence_threshold", "check_every", "seed", "topology", "outer_optimizer")
+    arguments = ("divergence_threshold", "check_every", "calibration_steps", "seed", "topology", "outer_optimizer")
 
     def __init__(
         self,
-        divergence_threshold: float = 0.7,
+        divergence_threshold: float | None = None,
         check_every: int = 10,
+        calibration_steps: int = 100,
         seed: int = 0,
         topology: str = "server",
         outer_optimizer: object = None,
     ) -> None:
-        self.divergence_threshold = check_divergence_threshold(divergence_threshold)
-        self.check_every = check_steps("check_every", check_every, "steps between checks")
+        self.divergence_threshold, self.check_every, self.calibration_steps = check_dynamic_schedule(
+            divergence_threshold, check_every, calibration_steps
+        )
+        self.threshold = self.divergence_threshold
         self.seed = seed
         self.topology = check_topology(topology)
         self.num_servers = 1 if self.topology == "server" else 0
@@ -132,6 +167,9 @@ class DynamicAveraging(Protocol):
         self.reference = initial.vector.parameters_of(initial.get()).clone()
         self.references = [self.reference] * simulation.num_workers
         self.reference_model = initial.get()  # the reference with the buffers: what a joiner starts from
+        self.threshold = self.divergence_threshold
+        # The Delta each worker checks with: a measured one only once the calibration's result reached it.
+        self._thresholds = [self.divergence_threshold] * simulation.num_workers
         self.membership = Membership(simulation.present_workers())
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.violation_counter = 0
@@ -146,21 +184,29 @@ class DynamicAveraging(Protocol):
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         if self.topology == "strategy":
-            if step % self.check_every == 0:
-                yield from self._check_as_strategy(node, rank, step // self.check_every)
+            if step % self.check_every == 0 and not self._calibrating(rank, step):
+                yield from self._check_as_strategy(node, rank, step)
             return
         if self._pending_request(node, rank):
             yield from self._send_model(node, rank, violated=False)
-        if step % self.check_every:
+        if step % self.check_every or self._calibrating(rank, step):
             return
-        self.counts["checks"] = max(self.counts["checks"], step // self.check_every)
+        threshold = self._thresholds[rank]
+        if threshold is None:
+            yield from self._report_drift(node, rank, step)
+            return
+        self.counts["checks"] = max(self.counts["checks"], self._check_number(step))
         replica = self.simulation.replicas[rank]
         parameters = replica.vector.parameters_of(replica.get())
-        if not local_condition_holds(parameters, self.references[rank], self.divergence_threshold):
+        if not local_condition_holds(parameters, self.references[rank], threshold):
             yield from self._send_model(node, rank, violated=True)
 
     def finish(self, node: Node, rank: int) -> Program:
-        """After its last step a worker still answers requests: its model stays part of the average."""
+        """After its last step a worker still answers requests: its model stays part of the average. One without
+        ``Delta`` past ``calibration_steps`` (back after its report was lost) first reports: the calibration
+        waits for it."""
+        if self._thresholds[rank] is None and self.simulation.positions[rank] >= self.calibration_steps:
+            yield from self._report_drift(node, rank, self.simulation.positions[rank])
         while True:
             request = yield node.recv(source=self.simulation.server, tag=_REQUEST)
             if request.payload > self._answered[rank]:
@@ -170,11 +216,23 @@ class DynamicAveraging(Protocol):
         self.membership.leave(rank, self.simulation.simulator.nodes[self.simulation.server])
 
     def join(self, node: Node, rank: int) -> Program:
-        """Start from the reference model (also as the worker's reference), going on from the worker's own step."""
-        model = yield from request_admission(node, self.simulation.server)
+        """Start from the reference model (also as the worker's reference) and with ``Delta`` once measured, going
+        on from the worker's own step."""
+        model, self._thresholds[rank] = yield from request_admission(node, self.simulation.server)
         self.simulation.replicas[rank].set(model)
         self.references[rank] = self._parameters(model).clone()
         return self.simulation.positions[rank]
+
+    def _calibrating(self, rank: int, step: int) -> bool:
+        """Whether worker ``rank`` still trains alone at ``step``: it has no ``Delta`` yet (one to be measured) and
+        ``step`` comes before ``calibration_steps``."""
+        return self._thresholds[rank] is None and step < self.calibration_steps
+
+    def _check_number(self, step: int) -> int:
+        """The checks made up to the one at ``step``: from ``check_every`` on, or from ``calibration_steps`` on
+        when ``Delta`` is measured (the calibration check included, as the strategy counts them)."""
+        first = self.check_every if self.divergence_threshold is not None else self.calibration_steps
+        return (step - first) // self.check_every + 1
 
     def _pending_request(self, node: Node, rank: int) -> bool:
         """Whether a request of a balancing this worker has not answered yet has arrived (taken from
@@ -194,6 +252,17 @@ class DynamicAveraging(Protocol):
         self._answered[rank] = balancing
         self._take(rank, mean, full_sync)
 
+    def _report_drift(self, node: Node, rank: int, step: int) -> Program:
+        """The calibration check: send the coordinator this worker's model and ``||f_i - r||^2``, wait, and take the
+        mean (a full synchronisation) and the measured ``Delta``."""
+        self.counts["checks"] = max(self.counts["checks"], self._check_number(step))
+        model = self.simulation.replicas[rank].get()
+        drift = squared_distance(self._parameters(model), self.references[rank])
+        node.send(self.simulation.server, (model, drift), tag=_DRIFT, nbytes=model.nbytes + _FLOAT_BYTES)
+        message = yield node.recv(source=self.simulation.server, tag=_CALIBRATED)
+        mean, self._thresholds[rank] = message.payload
+        self._take(rank, mean, full_sync=True)
+
     def _take(self, rank: int, mean: Tensor, full_sync: bool) -> None:
         """Member ``rank`` replaces its model by the balanced ``mean``; a full synchronisation also makes it
         the worker's reference model."""
@@ -202,8 +271,9 @@ class DynamicAveraging(Protocol):
         if full_sync:
             self.references[rank] = replica.vector.parameters_of(mean).clone()
 
-    def _check_as_strategy(self, node: Node, rank: int, check: int) -> Program:
+    def _check_as_strategy(self, node: Node, rank: int, step: int) -> Program:
         """One check as the strategy runs it on every rank (see the module docstring)."""
+        check = step // self.check_every
         workers = list(range(self.simulation.num_workers))
         local = self.simulation.replicas[rank].get()
         distance = squared_distance(self._parameters(local), self.references[rank])
@@ -211,9 +281,15 @@ class DynamicAveraging(Protocol):
         non_finite = [worker for worker, value in enumerate(distances) if not math.isfinite(value)]
         if non_finite:
             raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
-        violators = [worker for worker, value in enumerate(distances) if value > self.divergence_threshold]
         if rank == 0:
-            self.counts["checks"] = check
+            self.counts["checks"] = self._check_number(step)
+        threshold = self._thresholds[rank]
+        if threshold is None:  # the calibration check: every worker measures the same Delta from the same drifts
+            self._thresholds[rank] = self.threshold = calibrated_threshold(distances, self.calibration_steps)
+            yield from self._full_sync_as_strategy(node, rank, workers, local, check)
+            return
+        violators = [worker for worker, value in enumerate(distances) if value > threshold]
+        if rank == 0:
             self.counts["violations"] += len(violators)
         if not violators:
             return
@@ -230,18 +306,24 @@ class DynamicAveraging(Protocol):
                 members, added = rounds.send(within)
         except StopIteration as done:
             members, self._counters[rank] = done.value
-        full_sync = len(members) == len(workers)
+        if len(members) == len(workers):
+            yield from self._full_sync_as_strategy(node, rank, workers, local, check)
+            return
         if rank == 0:
-            self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
-        if full_sync:
-            nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
-            combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
-            mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
-        else:
-            mean = yield from balancing.gather(tag=("gather", check))
-            if mean is None:
-                return
-        self._take(rank, mean, full_sync)
+            self.counts["partial_syncs"] += 1
+        mean = yield from balancing.gather(tag=("gather", check))
+        if mean is not None:
+            self._take(rank, mean, full_sync=False)
+
+    def _full_sync_as_strategy(self, node: Node, rank: int, workers: list[int], local: Tensor, check: int) -> Program:
+        """A full synchronisation as the strategy runs it: one ring all-reduce of every model (in the accumulation
+        dtype), DiLoCo's outer step from the mean if any; the result is every worker's model and reference."""
+        if rank == 0:
+            self.counts["full_syncs"] += 1
+        nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
+        combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
+        mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
+        self._take(rank, mean, full_sync=True)
 
     def _mean_within(
         self, node: Node, workers: list[int], balancing: SubsetAverage, rank: int, key: tuple[int, int]
@@ -251,18 +333,20 @@ class DynamicAveraging(Protocol):
         share = balancing.share(self.references[rank])
         shares = yield from node.all_gather(("decision", *key), workers, share, nbytes=8)
         total = math.fsum(shares)
-        return math.isfinite(total) and total <= self.divergence_threshold
+        return math.isfinite(total) and total <= self._thresholds[rank]
 
     # ------------------------------------------------------------------ coordinator
 
     def server(self, node: Node) -> Program:
+        if self.threshold is None:
+            yield from self._calibrate(node)
         reports: dict[int, Tensor] = {}  # violation reports waiting for a balancing
         while True:
             if not reports:
                 message = yield node.recv_any((_MODEL, JOIN, LEFT))
                 if message.tag != _MODEL:
                     self.membership.handle(message)
-                    self.membership.admit(node, self.reference_model, self.reference_model.nbytes)
+                    self._admit(node)
                     continue
                 reports[message.source] = self._receive_model(message)
             yield node.sleep(0)  # reports arriving in the same instant join B
@@ -272,7 +356,47 @@ class DynamicAveraging(Protocol):
                 del reports[rank]  # its worker left
             if reports:
                 yield from self._balance(node, reports)
-            self.membership.admit(node, self.reference_model, self.reference_model.nbytes)
+            self._admit(node)
+
+    def _calibrate(self, node: Node) -> Program:
+        """Measure ``Delta`` from the calibration reports of every worker present, then the first full
+        synchronisation (module docstring: the threshold, and churn before it is measured)."""
+        reports: dict[int, tuple[Tensor, float]] = {}  # rank -> (model, drift)
+        while not reports or not self.membership.members <= reports.keys():
+            message = yield node.recv_any((_DRIFT, JOIN, LEFT))
+            if message.tag == _DRIFT:
+                check_finite(message.payload[0], message.source)
+                reports[message.source] = message.payload
+            else:
+                self.membership.handle(message)
+            reports = {rank: report for rank, report in reports.items() if rank in self.membership.members}
+            if not reports:  # no calibration under way: a joiner starts at once, from the initial model
+                self._admit(node)
+        ranks = sorted(reports)
+        self.threshold = calibrated_threshold([reports[rank][1] for rank in ranks], self.calibration_steps)
+        mean = yield from node.execute(weighted_average, [reports[rank][0] for rank in ranks], kind="aggregate")
+        mean = self._synchronised(mean)
+        for rank in ranks:
+            if rank in self.membership.members:  # not one that left during the aggregation
+                node.send(rank, (mean, self.threshold), tag=_CALIBRATED, nbytes=mean.nbytes + _FLOAT_BYTES)
+        self._admit(node)
+
+    def _admit(self, node: Node) -> None:
+        """Admit the waiting joiners with the reference model and ``Delta``: 8 bytes more once ``Delta`` is measured
+        (a set one is part of every worker's configuration)."""
+        measured = self.divergence_threshold is None and self.threshold is not None
+        nbytes = self.reference_model.nbytes + (_FLOAT_BYTES if measured else 0)
+        self.membership.admit(node, (self.reference_model, self.threshold), nbytes)
+
+    def _synchronised(self, mean: Tensor) -> Tensor:
+        """A full synchronisation's result from the mean of every present worker's model: DiLoCo's outer step from
+        it if any. It becomes the reference model; counted as a full synchronisation."""
+        if self.outer is not None:
+            mean = self.outer.step(mean)
+        self.reference = self._parameters(mean).clone()
+        self.reference_model = mean
+        self.counts["full_syncs"] += 1
+        return mean
 
     def _receive_model(self, message: Message) -> Tensor:
         model, violated = message.payload
@@ -301,9 +425,7 @@ class DynamicAveraging(Protocol):
                     return  # every member left: nothing to balance
                 mean = yield from node.execute(weighted_average, held, kind="aggregate")
                 averaged = members
-                within = local_condition_holds(
-                    self._parameters(mean), self.reference, self.divergence_threshold
-                )
+                within = local_condition_holds(self._parameters(mean), self.reference, self.threshold)
                 members, added = rounds.send(within)
         except StopIteration as done:
             members, self.violation_counter = done.value
@@ -315,12 +437,10 @@ class DynamicAveraging(Protocol):
                 return
             mean = yield from node.execute(weighted_average, held, kind="aggregate")
         full_sync = len(members) == len(present)
-        if full_sync and self.outer is not None:
-            mean = self.outer.step(mean)
         if full_sync:
-            self.reference = self._parameters(mean).clone()
-            self.reference_model = mean
-        self.counts["full_syncs" if full_sync else "partial_syncs"] += 1
+            mean = self._synchronised(mean)
+        else:
+            self.counts["partial_syncs"] += 1
         for rank in members:
             if rank in self.membership.members:
                 node.send(rank, (balancing, mean, full_sync), tag=_BALANCED, nbytes=mean.nbytes)
@@ -357,5 +477,6 @@ class DynamicAveraging(Protocol):
         return self.simulation.replicas[0].vector.parameters_of(vector)
 
     def metrics(self) -> dict[str, float]:
+        threshold = {} if self.threshold is None else {"dynamic/divergence_threshold": self.threshold}
         outer = {} if self.outer is None else self.outer.metrics()
-        return {**{f"dynamic/{key}": float(value) for key, value in self.counts.items()}, **outer}
+        return {**{f"dynamic/{key}": float(value) for key, value in self.counts.items()}, **threshold, **outer}
