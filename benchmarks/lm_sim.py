@@ -29,6 +29,10 @@ until the target loss or ``--scale-max-steps`` steps per worker.
 Outputs (``--out``, default ``benchmarks/results``): ``lm_sim.json`` and ``lm_sim.png`` (predicted
 against measured seconds to target; time to target against workers).
 
+The figures replay bit for bit on any x86-64 CPU with AVX2, given the same torch and corpus: the
+simulations train with 1 thread and ``main`` pins torch's CPU kernels
+(:func:`lightning_dist.sim.numerics.pin_cpu_kernels`); every run records what it had (``numerics``).
+
 Usage::
 
     python benchmarks/lm_sim.py                    # both parts (reads benchmarks/results/lm_network.json)
@@ -56,6 +60,7 @@ from lightning_dist.data import StdlibTextDataModule
 from lightning_dist.models import TransformerLM
 from lightning_dist.sim import NetworkModel, Simulation, SpeedModel
 from lightning_dist.sim.collectives import ring_all_reduce_seconds
+from lightning_dist.sim.numerics import pin_cpu_kernels
 from lightning_dist.sim.protocols import Protocol, make_protocol
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +126,8 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
             "rows": rows, "time_to_target_s": hit["time"] if hit else None,
             "steps_to_target": hit["mean_steps"] if hit else None, "bytes_to_target": hit["bytes"] if hit else None,
             "final_val_loss": rows[-1]["val_loss"], "steps": rows[-1]["mean_steps"], "virtual_s": rows[-1]["time"],
-            "protocol_bytes": result.summary["bytes"], "wall_s": time.perf_counter() - started}
+            "protocol_bytes": result.summary["bytes"], "numerics": result.summary["numerics"],
+            "wall_s": time.perf_counter() - started}
 
 
 def measured_step_s(measured: dict[str, Any]) -> float:
@@ -321,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(json_path.read_text())
     else:
-        torch.set_num_threads(1)
+        pin_cpu_kernels()
         measured = json.loads(args.measured.read_text())
         args.scale_mbit = args.scale_mbit or measured["config"]["headline_mbit"]
         step_s, ceiling_mbit = measured_step_s(measured), measured_ceiling_mbit(measured)

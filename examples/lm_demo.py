@@ -13,6 +13,14 @@ capped network, 2026-11-24), and ``benchmarks/lm_sim.py`` runs it (its ``simulat
 printed here is what that script predicts and the README sets against the measurement. Each method
 trains until its averaged model's validation loss reaches the target; the script prints the virtual
 seconds and steps to it, the bytes sent and the speed-up, and writes a plot of loss against virtual time.
+
+Every run of the command prints the same figures (the wall seconds aside), on any x86-64 CPU with AVX2,
+given the same torch and corpus (the running Python's standard library): the simulation draws from seeded
+generators and takes no wall-clock time, trains with 1 thread, and pins torch's CPU kernels
+(:func:`lightning_dist.sim.numerics.pin_cpu_kernels`). Their last bits would otherwise follow the CPU,
+and dynamic averaging's steps to the target with them (150 or 175 on one machine); the script prints
+what the figures depend on, and each method's loss at the evaluation before the one that reached the
+target, to show how close that crossing was.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from lightning_dist.data import StdlibTextDataModule
+from lightning_dist.sim.numerics import pin_cpu_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -56,6 +65,24 @@ def plot(results: list[dict[str, Any]], labels: dict[str, str], target: float, a
     plt.close(fig)
 
 
+def before(result: dict[str, Any]) -> str:
+    """The loss at the evaluation before the one that reached the target: how near the crossing was."""
+    earlier = [row for row in result["rows"] if row["mean_steps"] < result["steps_to_target"]]
+    return f"at step {earlier[-1]['mean_steps']:.0f}: {earlier[-1]['val_loss']:.3f}"
+
+
+def replay(numerics: dict[str, Any], corpus: dict[str, Any], measured: dict[str, Any]) -> str:
+    """What the figures depend on besides the code: another run prints them again where all of it is the same."""
+    threads = numerics["threads"]
+    kernels = (f"ATen {numerics['aten_cpu_capability']} / MKL {numerics['mkl_cbwr'] or 'auto'} / "
+               f"oneDNN {numerics['onednn_max_cpu_isa'] or 'auto'}")
+    measured_texts = {launch["corpus"]["sha256"] for launch in measured["launches"] if "corpus" in launch}
+    text = "the measured run's" if corpus["sha256"] in measured_texts else "not the measured run's"
+    return (f"same figures wherever these are: torch {numerics['torch']} on {numerics['machine']}, {threads} "
+            f"thread{'s' if threads != 1 else ''}, kernels {kernels}, corpus Python {corpus['python_version']}'s "
+            f"stdlib (sha256 {corpus['sha256'][:12]}, {text})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -67,7 +94,7 @@ def main() -> None:
         parser.error(f"--workers must be at least 2; got {args.workers}")
     if not args.mbit > 0:
         parser.error(f"--mbit must be > 0; got {args.mbit}")
-    torch.set_num_threads(1)
+    pin_cpu_kernels()
     measured = json.loads(MEASURED.read_text())
     config, target = measured["config"], measured["summary"]["target_val_loss"]
     methods = {method["name"]: method for method in config["methods"]}
@@ -83,7 +110,8 @@ def main() -> None:
                           args.max_steps, target)
         results.append(result)
         reached = result["time_to_target_s"] is not None
-        at = (f"reached it after {result['steps_to_target']:.0f} steps, {result['time_to_target_s']:.1f} virtual s"
+        at = (f"reached it after {result['steps_to_target']:.0f} steps, {result['time_to_target_s']:.1f} virtual s "
+              f"({before(result)})"
               if reached else f"did not reach it in {result['steps']:.0f} steps ({result['virtual_s']:.1f} virtual s)")
         print(f"  {labels[name]:<40} {at}; final loss {result['final_val_loss']:.3f}, "
               f"{result['protocol_bytes'] / 1e6:.1f} MB sent ({time.perf_counter() - started:.0f} s wall)", flush=True)
@@ -92,6 +120,7 @@ def main() -> None:
         print(f"dynamic averaging reaches the target {ddp['time_to_target_s'] / dynamic['time_to_target_s']:.1f}x "
               f"sooner than DDP, having sent {ddp['bytes_to_target'] / max(dynamic['bytes_to_target'], 1):.0f}x "
               f"fewer bytes by then")
+    print(replay(ddp["numerics"], StdlibTextDataModule(**config["data"]).corpus_info(), measured))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "lm_demo.png"
     plot(results, labels, target, args, path)

@@ -81,7 +81,9 @@ class SpeedModel:
     update run apart from the rest of its step, as DDP applies the all-reduced gradient): it is part
     of ``step_seconds`` when that is modelled (zero virtual seconds of its own), else its measured time.
 
-    A run is deterministic when ``step_seconds`` and ``aggregate_seconds`` are both set.
+    A run is deterministic when ``step_seconds`` and ``aggregate_seconds`` are both set: its virtual
+    times; its losses, and through them what a protocol decides, also follow torch's kernels
+    (:mod:`lightning_dist.sim.numerics`).
     """
 
     step_seconds: Optional[float] = None

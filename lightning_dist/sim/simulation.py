@@ -33,6 +33,7 @@ from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
 from lightning_dist.sim.network import NetworkModel
+from lightning_dist.sim.numerics import intra_op_threads, numerics
 from lightning_dist.sim.protocols.base import Program, Protocol
 from lightning_dist.sim.replica import Evaluator, Replica
 
@@ -87,6 +88,11 @@ class Simulation:
         churn: workers leaving and joining (:class:`~lightning_dist.sim.churn.Churn`); None: all stay. Needs a
             modelled ``speed.step_seconds`` and, for the averaging protocols and the parameter server,
             ``topology="server"``.
+        threads: torch's intra-op threads while the run trains and evaluates, restored after it. The figures
+            differ in their last bits with the thread count and training amplifies that, so it is fixed; None
+            keeps the caller's (faster for a large model on many cores, but the figures then depend on the
+            machine's core count). The kernels torch picks for the CPU matter too:
+            :func:`~lightning_dist.sim.numerics.pin_cpu_kernels`.
     """
 
     def __init__(
@@ -104,10 +110,12 @@ class Simulation:
         stop_when: Optional[Callable[[list[dict[str, float]]], bool]] = None,
         seed: int = 0,
         churn: Optional[Churn] = None,
+        threads: Optional[int] = 1,
     ) -> None:
         self.num_workers = check_count("workers", workers, 1)
         self.max_steps = check_count("max_steps", max_steps, 1)
         self.eval_every = check_count("eval_every", eval_every, 1)
+        self.threads = None if threads is None else check_count("threads", threads, 1)
         if max_virtual_seconds is not None and (
             isinstance(max_virtual_seconds, bool)
             or not isinstance(max_virtual_seconds, (int, float))
@@ -172,6 +180,10 @@ class Simulation:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> SimulationResult:
+        with intra_op_threads(self.threads):
+            return self._run()
+
+    def _run(self) -> SimulationResult:
         wall_start = time.perf_counter()
         torch.manual_seed(self.seed)
         self.datamodule.setup("fit")
@@ -358,6 +370,7 @@ class Simulation:
                 "deterministic": self.speed.deterministic,
             },
             "seed": self.seed,
+            "numerics": numerics(),
             "churn": None if self.churn is None else {
                 **self.churn.config(),
                 "churning": self.churn.churning(self.num_workers),
