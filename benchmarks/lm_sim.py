@@ -127,6 +127,7 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
             "steps_to_target": hit["mean_steps"] if hit else None, "bytes_to_target": hit["bytes"] if hit else None,
             "final_val_loss": rows[-1]["val_loss"], "steps": rows[-1]["mean_steps"], "virtual_s": rows[-1]["time"],
             "protocol_bytes": result.summary["bytes"], "numerics": result.summary["numerics"],
+            "protocol_metrics": result.summary["protocol_metrics"],
             "wall_s": time.perf_counter() - started}
 
 
