@@ -4,9 +4,10 @@ Issue 26's target: "A balancing set's synchronization takes no longer than an al
 same model among the same ranks (within 10%), measured on the capped network." Dynamic averaging's
 balancing set and FedAvg's participants average by ``SubsetAverage`` (strategies/_subset_average.py):
 a reduce of per-member chunks and an all-gather of the mean's chunks, each one batch of
-point-to-point transfers (``Communicator.exchange``). A member moves ``2 (|B| - 1) / |B|`` of a model
-each way, as a bandwidth-optimal (ring) all-reduce among the members does, so on a network where
-every node's bandwidth binds the two should take the same time. This benchmark measures that.
+point-to-point transfers (``Communicator.exchange``, receives posted first since 77024e8). A member
+moves ``2 (|B| - 1) / |B|`` of a model each way, as a bandwidth-optimal (ring) all-reduce among the
+members does, so on a network where every node's bandwidth binds the two should take the same time.
+This benchmark measures that.
 
 Setting: 4 ranks, one per network namespace of ``benchmarks/netns.py`` (one torchrun per node, Gloo
 over the namespaces' eth0), every node capped at ``--bandwidths`` (20 and 100 Mbit/s) on what it
@@ -21,12 +22,7 @@ vectors:
 - ``allreduce``: ``torch.distributed.all_reduce`` on a process group of exactly the members
   (created once before timing with ``dist.new_group(members)``), then the division: the baseline;
 - ``star``: the previous design (replaced by ``SubsetAverage`` in commit 48c2467), written out here
-  for reference: the members send their vectors to the lowest member, which sends the mean back;
-- ``receives_first``: a diagnostic, not the package's code: ``average_subset`` over a Communicator
-  whose ``exchange`` posts its receives before its sends (``ReceivesFirst``). Gloo runs the two
-  directions between a pair of ranks one after the other when the sends go first (README, segmented
-  gossip on the capped network); every pair of members exchanges pieces both ways, and this
-  variant tells how much of ``subset``'s time that costs.
+  for reference: the members send their vectors to the lowest member, which sends the mean back.
 
 ``--repetitions`` (5) passes over every (set, design) cell, the cells interleaved within a pass so
 that a slow spell of the machine hits every design alike, after one untimed pass with a small
@@ -87,13 +83,11 @@ WARMUP_ELEMENTS = 4_096
 SETS = [[1, 3], [0, 1, 2], [0, 1, 2, 3]]
 BANDWIDTHS = [20.0, 100.0]
 REPETITIONS = 5
-DESIGNS = ["subset", "balancing", "allreduce", "star", "receives_first"]
+DESIGNS = ["subset", "balancing", "allreduce", "star"]
 LABELS = {"subset": "average_subset (reduce + gather)", "balancing": "balancing round (+ distance)",
-          "allreduce": "all-reduce on the members' group", "star": "star through the lowest (previous)",
-          "receives_first": "diagnostic: average_subset, receives posted first"}
-HEADERS = {"subset": "subset", "balancing": "balancing round", "allreduce": "all-reduce", "star": "star (previous)",
-           "receives_first": "receives first (diagnostic)"}
-COMPARED = ["subset", "balancing", "star", "receives_first"]  # each against the all-reduce
+          "allreduce": "all-reduce on the members' group", "star": "star through the lowest (previous)"}
+HEADERS = {"subset": "subset", "balancing": "balancing round", "allreduce": "all-reduce", "star": "star (previous)"}
+COMPARED = ["subset", "balancing", "star"]  # each against the all-reduce
 TARGET_RATIO = 1.10  # issue 26: within 10% of the members' all-reduce
 PURPOSE = "protocol"
 SEED = 0
@@ -113,32 +107,6 @@ def rank_vector(rank: int, elements: int) -> Tensor:
 def wire_bytes() -> tuple[int, int]:
     """Bytes this namespace's interface has sent and received so far."""
     return int((INTERFACE_STATS / "tx_bytes").read_text()), int((INTERFACE_STATS / "rx_bytes").read_text())
-
-
-class ReceivesFirst(Communicator):
-    """Diagnostic, not the package's code: ``Communicator.exchange`` with every receive posted before the sends.
-
-    Gloo's TCP pair announces a posted receive with a small control message on the same stream as
-    the payloads, and a send whose peer has already announced its receive writes the whole payload
-    into the socket at once. ``exchange`` posts its sends first, so a rank that comes second to a
-    pair finds the other's announcement there, writes its payload, and only then announces its own
-    receive: the other's payload waits for it, and the pair's two directions run one after the
-    other. Posting the receives first sends every announcement ahead of any payload.
-    """
-
-    def exchange(self, sends: Sequence[tuple[Tensor, int]], receives: Sequence[tuple[Tensor, int]],
-                 purpose: str) -> None:
-        staged = [(buffer, self._receive_buffer(buffer)) for buffer, _ in receives]
-        operations = [dist.P2POp(dist.irecv, wire, src, group=self.group)
-                      for (_, wire), (_, src) in zip(staged, receives)]
-        operations += [dist.P2POp(dist.isend, self._to_wire(tensor), dst, group=self.group) for tensor, dst in sends]
-        if operations:
-            for request in dist.batch_isend_irecv(operations):
-                request.wait()
-        for buffer, wire in staged:
-            if wire is not buffer:
-                buffer.copy_(wire)
-        self.stats.record(purpose, sum(tensor.numel() * tensor.element_size() for tensor, _ in sends), len(sends))
 
 
 def star_average(comm: Communicator, local: Tensor, members: Sequence[int]) -> Tensor | None:
@@ -165,7 +133,7 @@ def average(design: str, comms: dict[str, Communicator], group: Any, local: Tens
             members: Sequence[int]) -> Tensor | None:
     """The members' mean by ``design`` (None off the set); every rank calls it, members or not."""
     comm = comms[design]
-    if design in ("subset", "receives_first"):
+    if design == "subset":
         return average_subset(comm, local, members, PURPOSE)
     if design == "balancing":
         # What dynamic averaging's _resolve does for a set found in one round: the distance decides
@@ -218,7 +186,7 @@ def worker(spec_path: Path) -> int:
     # The strategies' own Communicator holds every rank on a group of its own; the members' groups
     # are made once, on every rank (new_group is collective), before anything is timed.
     comm = Communicator(dist.new_group())
-    comms = {design: comm for design in DESIGNS} | {"receives_first": ReceivesFirst(dist.new_group())}
+    comms = {design: comm for design in DESIGNS}
     groups = {tuple(members): dist.new_group(members) for members in spec["sets"]}
     # An untimed pass: the first use of each group and pair, with a vector too small to matter.
     one_pass(comms, groups, spec["sets"], WARMUP_ELEMENTS, repetition=-1)
@@ -334,7 +302,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     bandwidths = list(dict.fromkeys(row["node_mbit"] for row in rows))
     fig, axes = plt.subplots(1, len(bandwidths), figsize=(6.5 * len(bandwidths), 4.6), squeeze=False)
     width = 0.8 / len(DESIGNS)
-    colors = dict(zip(DESIGNS, ["tab:blue", "tab:cyan", "tab:gray", "tab:red", "tab:green"]))
+    colors = dict(zip(DESIGNS, ["tab:blue", "tab:cyan", "tab:gray", "tab:red"]))
     for axis, mbit in zip(axes.flat, bandwidths):
         group = [row for row in rows if row["node_mbit"] == mbit]
         for index, design in enumerate(DESIGNS):
@@ -342,8 +310,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             medians = [row[design]["median_s"] for row in group]
             errors = [[row[design]["median_s"] - row[design]["min_s"] for row in group],
                       [row[design]["max_s"] - row[design]["median_s"] for row in group]]
-            axis.bar(xs, medians, width, yerr=errors, capsize=2, color=colors[design], label=LABELS[design],
-                     hatch="//" if design == "receives_first" else None)
+            axis.bar(xs, medians, width, yerr=errors, capsize=2, color=colors[design], label=LABELS[design])
             axis.scatter(xs, [row[design]["bound_s"] for row in group], marker="_", s=120, color="black",
                          zorder=3, label="bound from the caps" if index == 0 else None)
         for position, row in enumerate(group):
