@@ -18,6 +18,20 @@ def _scaled(factor, vector=E):
     return [factor * value for value in vector]
 
 
+# The simulator's test model (tests/sim/helpers.py: MLPClassifier 64-16-16-10) has this many parameters and no
+# buffers; the cross-check case gives the strategy's workers models of that size, so the simulator can hold the same.
+SIM_MODEL = 1482
+CROSS_THRESHOLD = 0.5 * SIM_MODEL
+
+
+def _cross_check_models():
+    """8 models of SIM_MODEL entries: rank 1 far from r = 0 (a violator), the others near it; the violator's mean with
+    2 added ranks lies within the threshold, a two-round partial synchronization of 3."""
+    generator = torch.Generator().manual_seed(5)
+    spread = [0.1, 1.0] + [0.1] * 6
+    return [(torch.randn(SIM_MODEL, generator=generator) * factor).tolist() for factor in spread]
+
+
 CASES = {
     4: {
         "quiet": {"spread": [0.1] * 4, "threshold": 10.0, "seed": 0},  # nobody violates: only distances move
@@ -34,7 +48,8 @@ CASES = {
                           "seed": 0, "dtype": "bfloat16"},
     },
     # one violator of 8, balanced by 2 more: two rounds, the second adds two whole models to the first's sum
-    8: {"two_rounds": {"spread": [0.1, 1.0] + [0.1] * 6, "threshold": 1.0, "seed": 1}},
+    8: {"two_rounds": {"spread": [0.1, 1.0] + [0.1] * 6, "threshold": 1.0, "seed": 1},
+        "cross_check": {"models": _cross_check_models(), "threshold": CROSS_THRESHOLD, "seed": 1}},
 }
 
 
@@ -140,3 +155,34 @@ def test_non_finite_rank_is_named_and_nothing_is_averaged(tmp_path):
         assert result["error"] is not None and "rank(s) [2]" in result["error"]
         if rank != 2:
             assert torch.equal(result["vector"], result["models"][rank])
+
+
+def test_the_simulator_moves_what_the_strategy_moves_for_the_same_models(launched):
+    """The cross-check case run by the simulator's dynamic averaging as the strategy runs it (topology="strategy"),
+    its workers holding the strategy's 8 models at the check (the simulator's reference is its start model, so
+    each worker holds start + model): the same violators, the same balancing set and synchronizations, the same
+    averaged models, and every worker sends exactly the protocol bytes its rank counted."""
+    from lightning_dist.sim import DynamicAveraging
+    from sim.helpers import simulation
+
+    results = launched["cross_check"]
+    models = results[0]["models"]
+
+    class HandSet(DynamicAveraging):
+        def after_step(self, node, rank, step):
+            replica = self.simulation.replicas[rank]
+            assert replica.vector.num_parameters == SIM_MODEL == replica.get().numel()
+            self.start = self.reference.clone()
+            replica.set(self.start + models[rank])
+            yield from super().after_step(node, rank, step)
+
+    protocol = HandSet(divergence_threshold=CROSS_THRESHOLD, check_every=1, calibration_steps=1, seed=1,
+                       topology="strategy")
+    sim = simulation(protocol, workers=8, max_steps=1)
+    sim.run()
+    strategy_syncs = {key: results[0]["metrics"][f"dynamic/{key}"] for key in ("full_syncs", "partial_syncs")}
+    assert strategy_syncs == {"full_syncs": 0, "partial_syncs": 1}
+    assert {key: protocol.counts[key] for key in strategy_syncs} == strategy_syncs
+    assert sim.simulator.network.bytes_sent == [result["stats"].protocol_bytes for result in results]
+    for rank, result in enumerate(results):
+        assert torch.allclose(sim.replicas[rank].get() - protocol.start, result["vector"], atol=1e-5)
