@@ -20,9 +20,12 @@ member order):
   mean to every other member.
 
 Cost per member: the reduce sends and receives ``(|B| - 1) / |B|`` of a model (a previous owner
-only its partial sum, ``1 / |B_previous|`` of one), the gather the same again: about two model
-sizes however large ``B`` is, as a bandwidth-optimal all-reduce among the members would, and no
-rank carries more. Ranks outside the set send nothing but the 8-byte distances.
+sends only its partial sum, ``1 / |B_previous|`` of one), the gather the same again: about two
+model sizes however large ``B`` is, as a bandwidth-optimal all-reduce among the members would.
+When the set grows, each earlier round also made its owners receive their share of the ranks it
+added (``2 |B|`` models over ``3 |B|`` owners: 2/3 of a model per round, and DynamicHedgeSync has
+at most ``log_3(m / 2)`` rounds). No rank carries more; ranks outside the set send nothing but
+the 8-byte distances.
 
 Why direct pieces rather than a ring or a subgroup all-reduce: a new process group per balancing
 is a collective over all ranks and slow to create on NCCL (and sets change every time); a ring
