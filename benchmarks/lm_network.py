@@ -45,6 +45,7 @@ Usage::
     python benchmarks/lm_network.py --quick         # smoke run: 2 methods, 2 bandwidths, short budget
     python benchmarks/lm_network.py --replot        # summaries, figures and tables from the JSON
     python benchmarks/lm_network.py --merge --bandwidths 5 --seeds 0   # one launch, added to the JSON
+    python benchmarks/lm_network.py --merge --bandwidths 20 --methods dynamic_default   # re-run methods, keep the rest
 
 Exits 77 with a message where network namespaces cannot be built (not root, no ``ip``/``tc``).
 """
@@ -180,6 +181,20 @@ def sweep(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str
                                 "corpus": raw["corpus"]})
                 print(f"  done in {raw['launch_s']:.0f} s", flush=True)
     return results
+
+
+def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` launches with ``new`` ones merged in: a new launch's runs replace the runs of the same methods at its
+    bandwidth and seed, and the old launch's other methods stay (e.g. DDP, which a re-run of some methods leaves
+    alone); launches of other bandwidths and seeds are kept as they are."""
+    previous = {(launch["node_mbit"], launch["seed"]): launch for launch in old}
+    for launch in new:
+        earlier = previous.pop((launch["node_mbit"], launch["seed"]), None)
+        if earlier is not None and "runs" in earlier and "runs" in launch:
+            names = {run["name"] for run in launch["runs"]}
+            launch = {**launch, "runs": [run for run in earlier["runs"] if run["name"] not in names] + launch["runs"]}
+        previous[launch["node_mbit"], launch["seed"]] = launch
+    return list(previous.values())
 
 
 # ---------------------------------------------------------------- summaries
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=None, help="method names (default: all)")
     parser.add_argument("--budget", type=float, default=None, help=f"seconds of training per method ({BUDGET_S:g})")
     parser.add_argument("--merge", action="store_true",
-                        help="add these launches to the existing JSON (a bandwidth and seed run again replaces its launch)")
+                        help="add these launches to the existing JSON (methods run again at a bandwidth and seed replace their runs)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.bandwidths = args.bandwidths or ([1000.0, 20.0] if args.quick else BANDWIDTHS)
@@ -383,10 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d")}}
     launches = sweep(args, runs)
     if args.merge and json_path.exists():
-        done = {(launch["node_mbit"], launch["seed"]) for launch in launches}
-        kept = [launch for launch in json.loads(json_path.read_text())["launches"]
-                if (launch["node_mbit"], launch["seed"]) not in done]
-        launches = kept + launches
+        launches = merged(json.loads(json_path.read_text())["launches"], launches)
         report["config"].update(bandwidths=sorted({launch["node_mbit"] for launch in launches}, reverse=True),
                                 seeds=sorted({launch["seed"] for launch in launches}))
     report["launches"] = launches
