@@ -119,6 +119,29 @@ def round_pieces(members: Sequence[int], added: Sequence[int], num_elements: int
     return reduce_pieces(holdings, members, num_elements), added_set
 
 
+def rank_pieces(
+    pieces: Sequence[Piece], whole: set[int], rank: int
+) -> tuple[list[tuple[Piece, str]], list[tuple[Piece, str]]]:
+    """``rank``'s part of a reduce round: ``(outgoing, incoming)``, each piece with its kind (``WHOLE``/``PARTIAL``).
+
+    ``outgoing``: the pieces it sends to other ranks. ``incoming``: the pieces its chunk sums, its own included
+    (``source == rank``), in the plan's order, the order :func:`sum_pieces` must add them in.
+    """
+    outgoing, incoming = [], []
+    for piece in pieces:
+        kind = WHOLE if piece.source in whole else PARTIAL
+        if piece.source == rank and piece.destination != rank:
+            outgoing.append((piece, kind))
+        elif piece.destination == rank:
+            incoming.append((piece, kind))
+    return outgoing, incoming
+
+
+def piece_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a piece travels in: the model's ``dtype`` for ``WHOLE``, :func:`accumulation_dtype`'s for ``PARTIAL``."""
+    return accumulation_dtype(dtype) if kind == PARTIAL else dtype
+
+
 def gather_pieces(members: Sequence[int], num_elements: int) -> list[Piece]:
     """The all-gather that ends a balancing: every owner's chunk of the mean to every other member."""
     return [
@@ -164,8 +187,7 @@ def chunk_distance(mean: Tensor, chunk: tuple[int, int], reference: Tensor) -> T
 
 def piece_bytes(piece: Piece, kind: str, dtype: torch.dtype) -> int:
     """Bytes a piece carries: the model's element size for ``WHOLE`` holders, the accumulation dtype's for ``PARTIAL``."""
-    element = accumulation_dtype(dtype) if kind == PARTIAL else dtype
-    return piece.size * torch.empty((), dtype=element).element_size()
+    return piece.size * torch.empty((), dtype=piece_dtype(kind, dtype)).element_size()
 
 
 def average_subset(

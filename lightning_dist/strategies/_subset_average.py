@@ -25,12 +25,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.subset_average import (
+    WHOLE,
+    Piece,
     chunk_bounds,
     chunk_distance,
     chunk_mean,
     gather_pieces,
+    piece_dtype,
+    rank_pieces,
     round_pieces,
     sum_pieces,
 )
@@ -61,20 +64,14 @@ class SubsetAverage:
     def reduce(self, members: Sequence[int], added: Sequence[int]) -> None:
         """Add the models of ``added`` to the sum; ``members`` (the set after this round) now own its chunks."""
         rank, local, numel = self.comm.rank, self.local, self.local.numel()
-        pieces, whole = round_pieces(members, added, numel)
-        start = self._chunk[0]
-        sends, receives, mine = [], [], []
-        for piece in pieces:
-            held = local if piece.source in whole else None
+        outgoing, incoming = rank_pieces(*round_pieces(members, added, numel), rank)
+        sends = [(self._held(piece, kind), piece.destination) for piece, kind in outgoing]
+        receives, mine = [], []
+        for piece, kind in incoming:
             if piece.source == rank:
-                values = held[piece.start : piece.stop] if held is not None else self._owned_piece(piece.start, piece.stop, start)
-                if piece.destination == rank:
-                    mine.append((piece, values))
-                else:
-                    sends.append((values, piece.destination))
-            elif piece.destination == rank:
-                dtype = local.dtype if piece.source in whole else accumulation_dtype(local.dtype)
-                buffer = torch.empty(piece.size, dtype=dtype, device=local.device)
+                mine.append((piece, self._held(piece, kind)))
+            else:
+                buffer = torch.empty(piece.size, dtype=piece_dtype(kind, local.dtype), device=local.device)
                 receives.append((buffer, piece.source))
                 mine.append((piece, buffer))
         self.comm.exchange(sends, receives, self.purpose)
@@ -85,9 +82,12 @@ class SubsetAverage:
         else:
             self._owned, self._chunk = None, (0, 0)
 
-    def _owned_piece(self, start: int, stop: int, offset: int) -> Tensor:
+    def _held(self, piece: Piece, kind: str) -> Tensor:
+        """What this rank adds for ``piece``: a slice of its model (``WHOLE``) or of the partial sum it owns."""
+        if kind == WHOLE:
+            return self.local[piece.start : piece.stop]
         assert self._owned is not None, "a rank sends a partial sum only of a chunk it owns"
-        return self._owned[start - offset : stop - offset]
+        return self._owned[piece.start - self._chunk[0] : piece.stop - self._chunk[0]]
 
     def squared_distance(self, reference: Tensor) -> float:
         """``||mean(f_B) - r||^2`` over the parameters, the same float on every rank (an all-gather of 8 bytes).

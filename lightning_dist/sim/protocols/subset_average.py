@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.subset_average import (
-    PARTIAL,
     WHOLE,
     Piece,
     chunk_bounds,
@@ -42,6 +41,7 @@ from lightning_dist.algorithms.subset_average import (
     chunk_mean,
     gather_pieces,
     piece_bytes,
+    rank_pieces,
     round_pieces,
     sum_pieces,
 )
@@ -79,19 +79,12 @@ class SubsetAverage:
     def reduce(self, members: Sequence[int], added: Sequence[int], tag: Hashable) -> Program:
         """Add the models of ``added`` to the sum; ``members`` (the set after this round) now own its chunks."""
         rank, local, numel = self.node.index, self.local, self.local.numel()
-        pieces, whole = round_pieces(members, added, numel)
-        sends: list[tuple[int, Any, int]] = []
-        mine: list[tuple[Piece, Optional[Tensor]]] = []  # this owner's pieces in the plan's order; None: arriving
-        for piece in pieces:
-            if piece.source == rank:
-                values = local[piece.start : piece.stop] if piece.source in whole else self._owned_piece(piece)
-                if piece.destination == rank:
-                    mine.append((piece, values))
-                else:
-                    kind = WHOLE if piece.source in whole else PARTIAL
-                    sends.append((piece.destination, values, piece_bytes(piece, kind, local.dtype)))
-            elif piece.destination == rank:
-                mine.append((piece, None))
+        outgoing, incoming = rank_pieces(*round_pieces(members, added, numel), rank)
+        sends = [(piece.destination, self._held(piece, kind), piece_bytes(piece, kind, local.dtype))
+                 for piece, kind in outgoing]
+        # This owner's pieces in the plan's order; None: arriving.
+        mine: list[tuple[Piece, Optional[Tensor]]] = [
+            (piece, self._held(piece, kind) if piece.source == rank else None) for piece, kind in incoming]
         sources = [piece.source for piece, values in mine if values is None]
         received = yield from exchange(self.node, sends, sources, tag)
         self.members = list(members)
@@ -105,7 +98,10 @@ class SubsetAverage:
         else:
             self._owned = sum_pieces(summands, self._chunk, local.dtype)
 
-    def _owned_piece(self, piece: Piece) -> Tensor:
+    def _held(self, piece: Piece, kind: str) -> Tensor:
+        """What this worker adds for ``piece``: a slice of its model (``WHOLE``) or of the partial sum it owns."""
+        if kind == WHOLE:
+            return self.local[piece.start : piece.stop]
         assert self._owned is not None, "a worker sends a partial sum only of a chunk it owns"
         return self._owned[piece.start - self._chunk[0] : piece.stop - self._chunk[0]]
 
