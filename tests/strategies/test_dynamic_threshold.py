@@ -1,8 +1,8 @@
 """Dynamic averaging's measured threshold (``divergence_threshold=None``) in 2-process fits.
 
 One launch trains the same MLP in two systems of units (every parameter stored 10 times larger, learning rate 100
-times larger: the same trajectory, squared distances 100 times larger) with the measured threshold and with an
-absolute one; a second launch resumes the measured run from a checkpoint.
+times larger: the same trajectory, squared distances 100 times larger) and at two learning rates, with the measured
+threshold and with an absolute one; a second launch resumes the measured run from a checkpoint.
 """
 
 import pytest
@@ -13,10 +13,13 @@ from helpers.launch import load_results, run_ranks
 CALIBRATION = {"check_every": 5, "calibration_steps": 20}
 UNITS = 10.0
 EPOCHS = 10  # 23 steps per epoch on 2 ranks
+LEARNING_RATES = (0.05, 0.2)
+# Between the thresholds measured at the two learning rates (about 0.016 and 0.29; the test checks it lies between).
+ABSOLUTE_BETWEEN = 0.07
 
 
-def _run(name, strategy_kwargs, units=1.0, **spec):
-    model = {"learning_rate": 0.1 * units**2}
+def _run(name, strategy_kwargs, units=1.0, learning_rate=0.1, **spec):
+    model = {"learning_rate": learning_rate * units**2}
     return {"name": name, "units": units, "model": model,
             "strategy": {"class": "DynamicAveragingStrategy", "kwargs": strategy_kwargs}, **spec}
 
@@ -30,6 +33,9 @@ def fits(tmp_path_factory):
         _run("measured_units", CALIBRATION, units=UNITS),
         _run("absolute", {**CALIBRATION, "divergence_threshold": 0.7}),
         _run("absolute_units", {**CALIBRATION, "divergence_threshold": 0.7}, units=UNITS),
+        *(_run(f"measured_lr{lr}", CALIBRATION, learning_rate=lr) for lr in LEARNING_RATES),
+        *(_run(f"absolute_lr{lr}", {**CALIBRATION, "divergence_threshold": ABSOLUTE_BETWEEN}, learning_rate=lr)
+          for lr in LEARNING_RATES),
     ]
     run_ranks(2, "fit", {"trainer": {"max_epochs": EPOCHS}, "runs": runs}, root / "full", timeout=480)
     results = {run["name"]: load_results(root / "full" / run["name"], 2) for run in runs}
@@ -61,6 +67,22 @@ def test_the_measured_threshold_gives_the_same_schedule_in_any_units(fits):
     assert absolute_scaled >= 3 * absolute, (absolute, absolute_scaled)
     # The same training: the validation accuracy of the two measured runs agrees.
     assert scaled["callback_metrics"]["val_acc"] == pytest.approx(measured["callback_metrics"]["val_acc"], abs=0.02)
+
+
+def test_the_measured_threshold_keeps_the_schedule_at_another_learning_rate(fits):
+    """A learning rate 4 times larger moves the replicas apart about 16 times as far in the calibration window: the
+    measured Delta follows it and the numbers of synchronizations stay within 1.5x of each other (20 and 16 when
+    written), where one absolute Delta between the two measured ones synchronizes the faster run several times as
+    often."""
+    results, _ = fits
+    low, high = (results[f"measured_lr{lr}"][0]["metrics"] for lr in LEARNING_RATES)
+    low_threshold, high_threshold = low["dynamic/divergence_threshold"], high["dynamic/divergence_threshold"]
+    assert high_threshold >= 8 * low_threshold, (low_threshold, high_threshold)
+    assert low_threshold < ABSOLUTE_BETWEEN < high_threshold
+    measured = sorted((_syncs(results[f"measured_lr{lr}"][0]) for lr in LEARNING_RATES))
+    assert measured[0] >= 3 and measured[1] <= 1.5 * measured[0], measured
+    absolute_low, absolute_high = (_syncs(results[f"absolute_lr{lr}"][0]) for lr in LEARNING_RATES)
+    assert absolute_high >= 3 * max(absolute_low, 1), (absolute_low, absolute_high)
 
 
 def test_the_first_synchronization_comes_at_the_calibration_check(fits):
