@@ -158,12 +158,20 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- the sweep
 
 
+def seeds_at(args: argparse.Namespace, mbit: float) -> list[int]:
+    """The seeds run at ``mbit``: every seed of ``--seeds`` where it was given, else all at the headline bandwidth and
+    the first elsewhere (the default sweep)."""
+    if args.seeds is not None:
+        return args.seeds
+    return SEEDS if mbit == args.headline_mbit else SEEDS[:1]
+
+
 def sweep(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results = []
     with netns.Network(nodes=args.ranks, node_mbit=args.bandwidths[0]) as network:
         for mbit in args.bandwidths:
             network.set_caps(mbit, None)
-            for seed in (args.seeds if mbit == args.headline_mbit else args.seeds[:1]):
+            for seed in seeds_at(args, mbit):
                 name = f"{PREFIX}_{mbit:g}mbit_seed{seed}"
                 launch_runs = [run for run in runs if mbit == args.headline_mbit or not run.get("headline_only")]
                 print(f"{name}: {len(launch_runs)} methods x {args.budget:g} s ...", flush=True)
@@ -350,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=RANKS)
     parser.add_argument("--bandwidths", type=float, nargs="+", default=None)
     parser.add_argument("--headline-mbit", type=float, default=HEADLINE_MBIT)
-    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help=f"seeds at every bandwidth (default: {SEEDS} at the headline bandwidth, {SEEDS[0]} elsewhere)")
     parser.add_argument("--methods", nargs="+", default=None, help="method names (default: all)")
     parser.add_argument("--budget", type=float, default=None, help=f"seconds of training per method ({BUDGET_S:g})")
     parser.add_argument("--merge", action="store_true",
@@ -360,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     args.bandwidths = args.bandwidths or ([1000.0, 20.0] if args.quick else BANDWIDTHS)
     args.budget = args.budget or (15.0 if args.quick else BUDGET_S)
     if args.quick:
-        args.seeds, args.methods = args.seeds[:1], args.methods or ["ddp", "dynamic_hi"]
+        args.seeds, args.methods = (args.seeds or SEEDS)[:1], args.methods or ["ddp", "dynamic_hi"]
     json_path = args.out / f"{PREFIX}.json"
     if args.replot:
         report = json.loads(json_path.read_text())
@@ -392,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
     report: dict[str, Any] = {"config": {
         **TASK, "ranks": args.ranks, "bandwidths": args.bandwidths, "headline_mbit": args.headline_mbit,
-        "seeds": args.seeds, "budget_s": args.budget, "snapshots": SNAPSHOTS, "eval_sequences": EVAL_SEQUENCES,
+        "seeds": args.seeds or SEEDS, "budget_s": args.budget, "snapshots": SNAPSHOTS, "eval_sequences": EVAL_SEQUENCES,
         "methods": runs, "calibration": calibration, "quick": args.quick, "command": command,
         "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
         "date": time.strftime("%Y-%m-%d")}}
