@@ -95,6 +95,11 @@ DRIFT_THRESHOLDS = [4.0, 16.0, 64.0]
 
 TARGET_POINTS = 1.0
 TARGET_RATIO = 10.0
+# Accuracies to reach, with the epochs and protocol bytes each setting needs first (this task's "time to target"
+# when the network, not the compute, is what costs): reached at the first epoch of HOLD_EPOCHS in a row at or
+# above it, so one lucky epoch does not count.
+ACCURACY_TARGETS = (0.95, 0.97)
+HOLD_EPOCHS = 3
 
 
 def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace, prefix: str = "",
@@ -187,6 +192,24 @@ def protocol_bytes(result: dict[str, Any], epochs: int | None = None) -> int:
     return result["curve"][:epochs][-1]["protocol_bytes"] if epochs is not None else result["protocol_bytes"]
 
 
+def reached(result: dict[str, Any], target: float) -> dict[str, Any] | None:
+    """The epoch (its curve entry) from which the accuracy stays at or above ``target`` for ``HOLD_EPOCHS``; None if never."""
+    curve = result["curve"]
+    return next((curve[i] for i in range(len(curve) - HOLD_EPOCHS + 1)
+                 if all(epoch["val_acc"] >= target for epoch in curve[i:i + HOLD_EPOCHS])), None)
+
+
+def to_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per accuracy target: the seeds reaching it, and the mean epochs and protocol bytes of those that did."""
+    rows = []
+    for target in ACCURACY_TARGETS:
+        hits = [hit for hit in (reached(run, target) for run in runs) if hit is not None]
+        rows.append({"target": target, "reached": len(hits), "seeds": len(runs),
+                     "epochs": _mean([hit["epoch"] + 1 for hit in hits]) if hits else None,
+                     "protocol_bytes": _mean([hit["protocol_bytes"] for hit in hits]) if hits else None})
+    return rows
+
+
 def kind(result: dict[str, Any]) -> str:
     if result["strategy"] == "DynamicAveragingStrategy":
         return "dynamic"
@@ -228,6 +251,7 @@ def compare(results: list[dict[str, Any]], epochs: int | None = None,
             "score": _mean(scores), "score_std": _std(scores),
             "protocol_bytes": _mean([protocol_bytes(r, epochs) for r in runs]),
             "syncs": _mean([r["syncs"] for r in runs]) if epochs is None else None,
+            **({"to_targets": to_targets(runs)} if epochs is None else {}),
         })
     periodic = [row for row in rows if row["kind"] == "periodic"]
     if not periodic:
@@ -331,6 +355,12 @@ def table(summary: dict[str, Any], score_name: str = "acc last5") -> str:
                      f"the cheapest periodic setting within {TARGET_POINTS:g} point of it "
                      f"({summary['cheapest_periodic_within_target_points']['setting']}) / this setting's; d pts = "
                      "accuracy difference to the best in points; +- = standard deviation over seeds")
+    for row in summary.get("settings", []):
+        reached_targets = [f"{t['target']:g} in {t['reached']}/{t['seeds']} seeds" + (
+            f", {t['epochs']:.0f} epochs, {t['protocol_bytes'] / 1e6:.2f} MB" if t["reached"] else "")
+            for t in row.get("to_targets", [])]
+        if reached_targets:
+            lines.append(f"{row['setting']:<20} to " + "; to ".join(reached_targets))
     for horizon in summary.get("by_training_length", []):
         ratio = horizon["best_byte_ratio_within_target_points"]
         equal = horizon["best_byte_ratio_vs_cheapest_within"]
