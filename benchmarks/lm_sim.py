@@ -202,11 +202,19 @@ def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
         for name in args.scale_methods:
             run = simulate(config, methods[name], workers, args.scale_mbit, ceiling_mbit, step_s, None,
                            args.scale_max_steps, target)
+            run.update(command=args.command, date=time.strftime("%Y-%m-%d"))
             runs.append(run)
             print(f"  {workers:>4} workers {name:<17} {fmt(run['time_to_target_s'])} s to target "
                   f"({fmt(run['steps_to_target'])} steps), loss {run['final_val_loss']:.3f} after {run['steps']:.0f} steps, "
                   f"{run['virtual_s']:.1f} virtual s ({run['wall_s']:.0f} s wall)", flush=True)
     return runs
+
+
+def merged_scale(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Part 2's runs: ``kept`` but for the (method, workers) cells run again, which ``new`` replaces."""
+    again = {(run["name"], run["workers"]) for run in new}
+    runs = [run for run in kept if (run["name"], run["workers"]) not in again] + new
+    return sorted(runs, key=lambda run: (run["workers"], run["name"]))
 
 
 def ratio(predicted: float | None, measured: float | None) -> float | None:
@@ -242,11 +250,12 @@ def agreement(cells: list[dict[str, Any]]) -> str:
 
 
 def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
-    lines = [f"| workers | method | s to target at {mbit:g} Mbit/s | steps to target | final loss | steps run |",
-             "|" + "---|" * 6]
+    lines = [f"| workers | method | s to target at {mbit:g} Mbit/s | steps to target | MB sent to target | final loss "
+             "| steps run | run on |", "|" + "---|" * 8]
     for run in runs:
+        megabytes = None if run["bytes_to_target"] is None else run["bytes_to_target"] / 1e6
         lines.append(f"| {run['workers']} | {run['name']} | {fmt(run['time_to_target_s'])} | {fmt(run['steps_to_target'], 0)} "
-                     f"| {run['final_val_loss']:.3f} | {run['steps']:.0f} |")
+                     f"| {fmt(megabytes, 0)} | {run['final_val_loss']:.3f} | {run['steps']:.0f} | {run['date']} |")
     return "\n".join(lines)
 
 
@@ -266,7 +275,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, right, far_right) = plt.subplots(1, 3, figsize=(19, 5))
     cells = [(cell, times) for cell in report.get("prediction", []) if (times := compared_times(cell))]
     bandwidths = sorted({cell["node_mbit"] for cell, _ in cells}, reverse=True)
     colors = dict(zip(bandwidths, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
@@ -298,14 +307,21 @@ def plot(report: dict[str, Any], path: Path) -> None:
             points.insert(0, (report["prediction"][0]["predicted"]["workers"], four[name]))
         if points:
             right.plot(*zip(*sorted(points)), marker="o", label=name)
-    right.set_xscale("log", base=2)
-    right.set_yscale("log")
-    right.set_xlabel("workers")
+        sent = [(run["workers"], run["bytes_to_target"] / 1e9) for run in runs
+                if run["name"] == name and run["bytes_to_target"] is not None]
+        if sent:
+            far_right.plot(*zip(*sorted(sent)), marker="o", label=name)
+    for axis in (right, far_right):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("workers")
+        axis.grid(True, which="both", alpha=0.3)
+        if runs:
+            axis.legend(fontsize=8)
     right.set_ylabel("simulated seconds to target")
     right.set_title(f"extension at {mbit or 0:g} Mbit/s per node (weak scaling; 4 workers: part 1)", fontsize=10)
-    right.grid(True, which="both", alpha=0.3)
-    if runs:
-        right.legend(fontsize=8)
+    far_right.set_ylabel("GB sent by all workers until the target")
+    far_right.set_title("bytes to target (weak scaling)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -324,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-max-steps", type=int, default=SCALE_MAX_STEPS)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    args.command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
     json_path = args.out / f"{PREFIX}.json"
     if args.replot:
         report = json.loads(json_path.read_text())
@@ -337,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                             "step_s": step_s, "ceiling_mbit": ceiling_mbit, "latency_s": LATENCY_S, "payload_share": PAYLOAD_SHARE,
                             "target_val_loss": measured["summary"]["target_val_loss"], "scale_mbit": args.scale_mbit,
                             "scale_max_steps": args.scale_max_steps, "python": platform.python_version(),
-                            "command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
+                            "command": args.command,
                             "date": time.strftime("%Y-%m-%d")}
         print(f"step {step_s:.4f} s and ceiling {ceiling_mbit:.0f} Mbit/s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
         if not args.scale_only:
@@ -345,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             report["prediction"] = predict(args, measured, step_s, ceiling_mbit)
         if not args.predict_only:
             print(f"part 2: {args.scale_workers} workers at {args.scale_mbit:g} Mbit/s")
-            report["scale"] = scale(args, measured, step_s, ceiling_mbit)
+            report["scale"] = merged_scale(report.get("scale", []), scale(args, measured, step_s, ceiling_mbit))
         args.out.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=1))
     if report.get("prediction"):
