@@ -23,6 +23,7 @@ class ModelVector:
         self._tensors = parameters + buffers
         self._sizes = [tensor.numel() for tensor in self._tensors]
         self.parameters: list[Tensor] = parameters
+        self.buffers: list[Tensor] = buffers
         self.num_parameters = sum(parameter.numel() for parameter in parameters)
         self.dtype: torch.dtype = reduce(torch.promote_types, (tensor.dtype for tensor in self._tensors))
         """The dtype of :meth:`get`'s vector (the module's, promoted as ``torch.cat`` would)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
@@ -129,6 +130,11 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         # whole model (the flat vector is built only when models move).
         vector = self.model_vector
         distance = squared_distance_sum(zip(vector.parameters, vector.parameter_views(self.reference)))
+        if vector.buffers:
+            # The distance covers parameters only, but balancing averages buffers too: a non-finite buffer makes this
+            # rank's distance NaN, so the check names it instead of averaging it into the set's mean.
+            finite = torch.stack([torch.isfinite(buffer).all() for buffer in vector.buffers]).all()
+            distance = torch.where(finite, distance, torch.full_like(distance, math.nan))
         distances = self.comm.all_gather(distance.view(1), purpose="protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
         if self._threshold is None:

@@ -148,13 +148,18 @@ def test_the_cases_cover_partial_sets_of_two_and_three_and_two_rounds(launched):
 
 
 def test_non_finite_rank_is_named_and_nothing_is_averaged(tmp_path):
-    case = {"threshold": 1e-3, "seed": 0, "dim": DIM, "spread": [1.0] * 3, "nan_rank": 2}
-    run_ranks(3, "balance", {"cases": [case]}, tmp_path)
-    results = [per_rank[0] for per_rank in load_results(tmp_path, 3)]
-    for rank, result in enumerate(results):
-        assert result["error"] is not None and "rank(s) [2]" in result["error"]
-        if rank != 2:
-            assert torch.equal(result["vector"], result["models"][rank])
+    """A NaN in rank 2's weights, or only in rank 1's buffer, the running statistic the distance does not cover but
+    balancing averages (there ranks 1 and 3 would form a set of 2, as in ``set_of_2``): every rank raises naming the
+    rank, and no model moves."""
+    cases = [{"threshold": 1e-3, "seed": 0, "dim": DIM, "spread": [1.0] * 4, "nan_rank": 2},
+             {**CASES[4]["set_of_2"], "dim": DIM, "nan_buffer_rank": 1}]
+    run_ranks(4, "balance", {"cases": cases}, tmp_path)
+    for case, results in zip(cases, zip(*load_results(tmp_path, 4))):
+        named = case.get("nan_rank", case.get("nan_buffer_rank"))
+        for rank, result in enumerate(results):
+            assert result["error"] is not None and f"rank(s) [{named}]" in result["error"], (case, rank, result["error"])
+            if rank != named:
+                assert torch.equal(result["vector"][:DIM], result["models"][rank]), (case, rank)
 
 
 def test_the_simulator_moves_what_the_strategy_moves_for_the_same_models(launched):

@@ -31,16 +31,22 @@ def run_case(case: dict, group: dist.ProcessGroup, rank: int, world_size: int) -
     dtype = getattr(torch, case.get("dtype", "float32"))
     models = models_of(case, world_size, dtype)
     dim = models[0].numel()
+    module = nn.Linear(dim, 1, bias=False).to(dtype)
+    if "nan_buffer_rank" in case:  # a running statistic after the weights, as BatchNorm's
+        module.register_buffer("running_mean", torch.zeros(1, dtype=dtype))
     strategy._comm = Communicator(group)
-    strategy._vector = ModelVector(nn.Linear(dim, 1, bias=False).to(dtype))
+    strategy._vector = ModelVector(module)
     strategy.parallel_devices = [torch.device("cpu")]
     strategy._reference = torch.zeros(dim, dtype=dtype)
     strategy._violation_counter = case.get("violation_counter", 0)
-    strategy.model_vector.set(models[rank])
+    buffers = torch.zeros(len(strategy.model_vector.buffers), dtype=dtype)
+    strategy.model_vector.set(torch.cat([models[rank], buffers]))
     error = None
     try:
         if case.get("nan_rank") == rank:
             strategy.model_vector.set(torch.full((dim,), float("nan")))
+        if case.get("nan_buffer_rank") == rank:
+            strategy.model_vector.set(torch.cat([models[rank], torch.full_like(buffers, float("nan"))]))
         strategy.after_local_step(1)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
