@@ -137,6 +137,15 @@ def rank_pieces(
     return outgoing, incoming
 
 
+def held_values(piece: Piece, kind: str, local: Tensor, owned: Tensor | None, chunk: tuple[int, int]) -> Tensor:
+    """What a rank adds for ``piece``: a slice of its model ``local`` (``WHOLE``), or of the partial sum ``owned`` of
+    its ``chunk`` (``PARTIAL``)."""
+    if kind == WHOLE:
+        return local[piece.start : piece.stop]
+    assert owned is not None, "a rank sends a partial sum only of a chunk it owns"
+    return owned[piece.start - chunk[0] : piece.stop - chunk[0]]
+
+
 def piece_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype a piece travels in: the model's ``dtype`` for ``WHOLE``, :func:`accumulation_dtype`'s for ``PARTIAL``."""
     return accumulation_dtype(dtype) if kind == PARTIAL else dtype

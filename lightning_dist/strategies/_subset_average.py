@@ -26,12 +26,12 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.subset_average import (
-    WHOLE,
     Piece,
     chunk_bounds,
     chunk_distance,
     chunk_mean,
     gather_pieces,
+    held_values,
     piece_dtype,
     rank_pieces,
     round_pieces,
@@ -83,11 +83,7 @@ class SubsetAverage:
             self._owned, self._chunk = None, (0, 0)
 
     def _held(self, piece: Piece, kind: str) -> Tensor:
-        """What this rank adds for ``piece``: a slice of its model (``WHOLE``) or of the partial sum it owns."""
-        if kind == WHOLE:
-            return self.local[piece.start : piece.stop]
-        assert self._owned is not None, "a rank sends a partial sum only of a chunk it owns"
-        return self._owned[piece.start - self._chunk[0] : piece.stop - self._chunk[0]]
+        return held_values(piece, kind, self.local, self._owned, self._chunk)
 
     def squared_distance(self, reference: Tensor) -> float:
         """``||mean(f_B) - r||^2`` over the parameters, the same float on every rank (an all-gather of 8 bytes).

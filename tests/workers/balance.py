@@ -39,7 +39,7 @@ def run_case(case: dict, group: dist.ProcessGroup, rank: int, world_size: int) -
     strategy.parallel_devices = [torch.device("cpu")]
     strategy._reference = torch.zeros(dim, dtype=dtype)
     strategy._violation_counter = case.get("violation_counter", 0)
-    buffers = torch.zeros(len(strategy.model_vector.buffers), dtype=dtype)
+    buffers = torch.zeros(sum(buffer.numel() for buffer in strategy.model_vector.buffers), dtype=dtype)
     strategy.model_vector.set(torch.cat([models[rank], buffers]))
     error = None
     try:

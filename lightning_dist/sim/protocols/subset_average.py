@@ -40,6 +40,7 @@ from lightning_dist.algorithms.subset_average import (
     chunk_distance,
     chunk_mean,
     gather_pieces,
+    held_values,
     piece_bytes,
     rank_pieces,
     round_pieces,
@@ -99,11 +100,7 @@ class SubsetAverage:
             self._owned = sum_pieces(summands, self._chunk, local.dtype)
 
     def _held(self, piece: Piece, kind: str) -> Tensor:
-        """What this worker adds for ``piece``: a slice of its model (``WHOLE``) or of the partial sum it owns."""
-        if kind == WHOLE:
-            return self.local[piece.start : piece.stop]
-        assert self._owned is not None, "a worker sends a partial sum only of a chunk it owns"
-        return self._owned[piece.start - self._chunk[0] : piece.stop - self._chunk[0]]
+        return held_values(piece, kind, self.local, self._owned, self._chunk)
 
     def share(self, reference: Tensor) -> float:
         """This worker's share of ``||mean(f_B) - r||^2`` (its chunk's, 0 outside the set): what it all-gathers."""
