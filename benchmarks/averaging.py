@@ -37,6 +37,7 @@ Usage::
     python benchmarks/averaging.py --no-drift      # only the comparison
     python benchmarks/averaging.py --drift-only    # only the concept-drift stream
     python benchmarks/averaging.py --replot        # recompute summaries, redraw figures and tables from the JSON
+    python benchmarks/averaging.py --no-drift --settings dynamic_default --merge --out DIR   # re-run one setting
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace,
         for threshold in thresholds
     ]
     # What strategy="dynamic_avg" gives a user: the threshold measured in the run (the replicas' mean
-    # ||f_i - r||^2 after their first calibration_steps local steps), no sweep.
+    # ||f_i - r||^2 over the period its timings pick, at most calibration_steps local steps), no sweep.
     settings.append({
         "setting": "dynamic_default",
         "strategy": {"class": "DynamicAveragingStrategy", "kwargs": {"check_every": args.check_every}},
@@ -255,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drift-thresholds", type=float, nargs="+", default=None,
                         help=f"dynamic divergence thresholds of the drift part (default {DRIFT_THRESHOLDS})")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per launch")
+    parser.add_argument("--settings", nargs="+", default=None,
+                        help="run only these settings of the comparison (e.g. dynamic_default periodic_b20)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the runs of the other settings in --out's averaging.json (same task and seeds)")
     parser.add_argument("--replot", action="store_true", help="recompute summaries and redraw from the JSON in --out; run nothing")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -274,14 +279,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.drift_only:
         epochs = args.epochs or (3 if args.quick else TASK["epochs"])
         base = task(args, epochs, args.partition)
-        runs = comparison_runs(args)
+        runs = [run for run in comparison_runs(args) if args.settings is None or run["setting"] in args.settings]
         print(f"comparison: {len(runs)} runs, {args.ranks} ranks, {epochs} epochs, task {json.dumps(base)}")
         t0 = time.perf_counter()
         results = run_all(runs, base, args, score)
+        config = {**base, "ranks": args.ranks, "check_every": args.check_every, **environment,
+                  "wall_s": time.perf_counter() - t0}
+        if args.merge:  # the settings not re-run come from the earlier report, whose command is kept
+            earlier = json.loads((args.out / "averaging.json").read_text())
+            rerun = {result["setting"] for result in results}
+            results = [result for result in earlier["runs"] if result["setting"] not in rerun] + results
+            config["earlier"] = [*earlier["config"].get("earlier", []), earlier["config"].get("command")]
         summary = summarize(results, epochs)
-        report = {"config": {**base, "ranks": args.ranks, "check_every": args.check_every, **environment,
-                             "wall_s": time.perf_counter() - t0},
-                  "summary": summary, "runs": results}
+        report = {"config": config, "summary": summary, "runs": results}
         (args.out / "averaging.json").write_text(json.dumps(report, indent=1))
         plot_comparison(results, args.out / "averaging.png")
         print()

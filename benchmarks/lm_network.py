@@ -107,7 +107,7 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
         {"name": "dynamic_hi", "kind": "dynamic", "label": f"dynamic averaging, Delta={thresholds['hi']:.3g}",
          "strategy": dynamic(thresholds["hi"])},
         {"name": "dynamic_default", "kind": "dynamic",
-         "label": "dynamic averaging, defaults (Delta measured after 100 steps)",
+         "label": "dynamic averaging, defaults (Delta measured in the run)",
          "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY)},
         {"name": "segmented_gossip", "kind": "gossip", "label": "segmented gossip S=4 R=2, every 10 steps",
          "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=2, period=10)},

@@ -64,6 +64,18 @@ def check_dynamic_schedule(
     return threshold, check_every, calibration_steps
 
 
+def check_sync_overhead(value: object) -> float | None:
+    """The share of computing time a synchronization may cost when ``Delta`` is measured: None or a number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            "sync_overhead must be None (Delta is the drift after calibration_steps) or a finite number > 0 (the "
+            f"largest share of computing time a full synchronization may cost); got {value!r}"
+        )
+    return float(value)
+
+
 def check_client_fraction(value: object) -> float:
     """FedAvg's ``C``: a number in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and 0 < value <= 1):

@@ -93,6 +93,55 @@ def calibrated_threshold(drifts: Sequence[float], steps: int) -> float:
     return mean
 
 
+def calibration_period(
+    periods: Sequence[int], step_seconds: float, sync_seconds: float, sync_overhead: float | None
+) -> int:
+    """The period whose drift becomes ``Delta``: the shortest of ``periods`` (local steps, ascending) over which a
+    full synchronization costs at most ``sync_overhead`` times the computing it follows.
+
+    ``sync_seconds <= sync_overhead * period * step_seconds``: a periodic protocol with that period spends at
+    most that share of its time communicating. Paper 004 leaves ``Delta`` to the user and relates it to a
+    periodic protocol (Theorem 5, appendix: dynamic averaging keeps the loss bound of the periodic protocol
+    whose divergence ``Delta`` bounds, communicating no more). Which periodic protocol is worth matching
+    depends on the network: synchronizing every 20 steps costs little where an all-reduce takes a fraction of
+    a step and dominates where it takes 30 steps. Choosing the period by its cost, then ``Delta`` as its drift
+    (:func:`calibrated_threshold`), is our extension; the paper's protocol then runs unchanged. The longest
+    period when none qualifies, when ``sync_overhead`` is None (the drift of the longest period whatever the
+    network: a run that replays without timings), or when a time is not a finite number > 0.
+    """
+    longest = periods[-1]
+    if sync_overhead is None or not all(math.isfinite(t) and t > 0 for t in (step_seconds, sync_seconds)):
+        return longest
+    return next((period for period in periods if sync_seconds <= sync_overhead * period * step_seconds), longest)
+
+
+def measured_threshold(
+    drifts: Sequence[Sequence[float]],
+    periods: Sequence[int],
+    step_seconds: Sequence[float],
+    sync_seconds: Sequence[float],
+    sync_overhead: float | None,
+) -> tuple[float, int]:
+    """``(Delta, period)`` from a calibration: ``drifts[i][k]`` is replica ``i``'s ``||f^i - r||^2`` after
+    ``periods[k]`` local steps, ``step_seconds[i]`` its mean local step, ``sync_seconds[i]`` how long the
+    calibration's full synchronization took it.
+
+    The times are averaged over the replicas that measured them (finite ones), the period chosen by
+    :func:`calibration_period`, and ``Delta`` is the replicas' mean drift after it (:func:`calibrated_threshold`),
+    over the replicas that noted one there (a NaN: the simulator's worker that joined during the calibration).
+    Every replica computes the same result from the same gathered numbers.
+    """
+
+    def finite_mean(values: Sequence[float]) -> float:
+        finite = [value for value in values if math.isfinite(value)]
+        return math.fsum(finite) / len(finite) if finite else math.nan
+
+    period = calibration_period(periods, finite_mean(step_seconds), finite_mean(sync_seconds), sync_overhead)
+    column = list(periods).index(period)
+    noted = [drift[column] for drift in drifts if not math.isnan(drift[column])]
+    return calibrated_threshold(noted, period), period
+
+
 def divergence(models: Sequence[Tensor]) -> float:
     """Model divergence ``delta(f) = 1/m sum_i ||f^i - mean(f)||^2`` (paper 004, eq. 2)."""
     stacked = torch.stack([model.double() for model in models])

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Mapping, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer
-from lightning_dist.algorithms.averaging import calibrated_threshold, plan_balancing, squared_distance_sum
+from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer, check_sync_overhead
+from lightning_dist.algorithms.averaging import (
+    calibrated_threshold,
+    measured_threshold,
+    plan_balancing,
+    squared_distance_sum,
+)
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
 from lightning_dist.strategies._subset_average import SubsetAverage
@@ -42,11 +48,17 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     flattened parameters); the authors' MNIST scripts used 0.1 to 1.0 for small CNNs, which is orders
     of magnitude off for other models (a 1.3M-parameter transformer drifts by 7 in 10 steps). So by
     default (None) the run measures it: the replicas train alone for ``calibration_steps`` steps,
-    the mean of their ``||f_i - r||^2`` then becomes ``Delta`` (logged, and kept in checkpoints),
-    and a full synchronization starts the dynamic protocol
-    (:func:`~lightning_dist.algorithms.averaging.calibrated_threshold` says why this is the drift of
-    a periodic protocol with period ``calibration_steps``). Afterwards the replicas synchronize when
-    they have drifted as far as they did in their first ``calibration_steps`` steps.
+    each noting its ``||f_i - r||^2`` at every check and timing its steps; then one all-gather
+    shares those numbers and a full synchronization, timed, starts the dynamic protocol. ``Delta``
+    becomes the replicas' mean drift after the shortest period (a multiple of ``check_every``, at most
+    ``calibration_steps``) over which that synchronization costs at most ``sync_overhead`` times the
+    computing (:func:`~lightning_dist.algorithms.averaging.calibration_period`): the divergence of
+    the periodic protocol worth running on this network, which paper 004's Theorem 5 says dynamic
+    averaging matches with less communication. Both are logged and kept in checkpoints. On a slow
+    network the period is long and ``Delta`` large; on a fast one (or a small model) the reverse.
+    Afterwards the replicas synchronize when they have drifted as far as they did over that period
+    at the start. ``sync_overhead=None`` takes ``calibration_steps`` as the period whatever the
+    timings, so a seeded run replays exactly.
 
     Choices where the paper is silent: the distance covers parameters only (not buffers);
     floating-point buffers are averaged with the parameters; optimizer state (momentum) stays
@@ -68,8 +80,12 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             (paper 004's MNIST study).
         calibration_steps: with ``divergence_threshold=None``, the local steps whose drift sets
             ``Delta``, a multiple of ``check_every``; not used when ``divergence_threshold`` is set.
-            Default 100: on the package's language model the threshold this measures is the best
-            one tried (README, "Dynamic averaging's threshold").
+            The longest period whose drift can become ``Delta``. Default 100.
+        sync_overhead: with ``divergence_threshold=None``, the largest share of computing time a full
+            synchronization may cost at the period whose drift becomes ``Delta``; None takes
+            ``calibration_steps``. Default 0.25: on the package's language model it picks the drift of
+            about 20 steps at 100 Mbit/s and of 80-100 at 20 Mbit/s, the best thresholds tried there
+            (README, "Dynamic averaging's threshold").
         seed: seeds the random augmentation of the balancing set (the same on every rank).
         outer_optimizer: None (default): a full synchronization hands out the mean. Otherwise the
             outer optimizer applied there, built from a list of tensors, as in
@@ -85,6 +101,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         divergence_threshold: Optional[float] = None,
         check_every: int = 10,
         calibration_steps: int = 100,
+        sync_overhead: Optional[float] = 0.25,
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
         **kwargs: Any,
@@ -92,13 +109,19 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         divergence_threshold, check_every, calibration_steps = check_dynamic_schedule(
             divergence_threshold, check_every, calibration_steps
         )
+        sync_overhead = check_sync_overhead(sync_overhead)
         outer_optimizer = check_outer_optimizer(outer_optimizer)
         super().__init__(seed=seed, **kwargs)
         self.divergence_threshold = divergence_threshold
         self.check_every = check_every
         self.calibration_steps = calibration_steps
+        self.sync_overhead = sync_overhead
         self.outer_optimizer = outer_optimizer
         self._threshold = divergence_threshold  # the Delta in use: None until calibrated
+        self._calibration_period: int | None = None  # the local steps whose drift Delta is, once measured
+        self._reference_step = 0  # the local step at which r was set, as long as Delta is to be measured
+        self._drifts: list[tuple[int, float]] = []  # (step, ||f_i - r||^2) at this rank's checks while calibrating
+        self._clock: tuple[int, float] | None = None  # (step, time) at this process's first step while calibrating
         self._outer: OuterStep | None = None
         self._reference: Tensor | None = None
         self._violation_counter = 0
@@ -123,9 +146,29 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         return self._threshold
 
     def after_local_step(self, step: int) -> None:
-        if step % self.check_every != 0 or (self._threshold is None and step < self.calibration_steps):
+        calibrating = self._threshold is None
+        if calibrating and self._clock is None:
+            self._clock = (step, time.perf_counter())
+        if step % self.check_every != 0:
+            return
+        if calibrating and step < self.calibration_steps:
+            if self.sync_overhead is not None:  # the drift curve the period is chosen from; no message
+                self._drifts.append((step, float(self._distance())))
             return
         self._checks += 1
+        distance = self._distance()
+        if calibrating:
+            self._calibrate(step, distance)
+            return
+        distances = self.comm.all_gather(distance.view(1), purpose="protocol").view(-1).tolist()
+        self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
+        violators = [rank for rank, value in enumerate(distances) if value > self._threshold]
+        if violators:
+            self._violations += len(violators)
+            self._resolve(violators)
+
+    def _distance(self) -> Tensor:
+        """This rank's ``||f_i - r||^2`` as a 0-d float64 tensor on its device, NaN if a float buffer is not finite."""
         # Parameter by parameter against views of the reference, in float64 chunks: no copy of the
         # whole model (the flat vector is built only when models move).
         vector = self.model_vector
@@ -135,21 +178,43 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             # rank's distance NaN, so the check names it instead of averaging it into the set's mean.
             finite = torch.stack([torch.isfinite(buffer).all() for buffer in vector.buffers]).all()
             distance = torch.where(finite, distance, torch.full_like(distance, math.nan))
-        distances = self.comm.all_gather(distance.view(1), purpose="protocol").view(-1).tolist()
-        self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
-        if self._threshold is None:
-            self._threshold = calibrated_threshold(distances, self.calibration_steps)
-            rank_zero_info(
-                f"{type(self).__name__}: divergence threshold Delta = {self._threshold:.6g}, the replicas' mean "
-                f"||f_i - r||^2 after {step} local steps (calibration_steps={self.calibration_steps}); a full "
-                "synchronization starts the dynamic protocol"
+        return distance
+
+    def _calibrate(self, step: int, distance: Tensor) -> None:
+        """The calibration check: gather every rank's drifts (and step time), run the first full synchronization
+        (timed), agree on its time and set ``Delta`` (:func:`measured_threshold`; class docstring)."""
+        timed = self.sync_overhead is not None
+        local = distance.view(1)
+        if timed:
+            first_step, started = self._clock if self._clock is not None else (step, math.nan)
+            step_seconds = (time.perf_counter() - started) / (step - first_step) if step > first_step else math.nan
+            drifts = [drift for _, drift in self._drifts]
+            local = torch.cat([local.new_tensor(drifts), local, local.new_tensor([step_seconds])])
+        gathered = self.comm.all_gather(local, purpose="protocol").view(self.comm.world_size, -1).tolist()
+        self.raise_for_ranks([rank for rank, row in enumerate(gathered) if not math.isfinite(row[len(self._drifts)])])
+        started = time.perf_counter()
+        self._full_sync()
+        if timed:
+            sync_seconds = time.perf_counter() - started
+            syncs = self.comm.all_gather(local.new_tensor([sync_seconds]), purpose="protocol").view(-1).tolist()
+            periods = [check - self._reference_step for check, _ in self._drifts] + [step - self._reference_step]
+            self._threshold, self._calibration_period = measured_threshold(
+                [row[:-1] for row in gathered], periods, [row[-1] for row in gathered], syncs, self.sync_overhead
             )
-            self._full_sync()
-            return
-        violators = [rank for rank, value in enumerate(distances) if value > self._threshold]
-        if violators:
-            self._violations += len(violators)
-            self._resolve(violators)
+            timing = (
+                f" (of the periods {periods[0]}-{periods[-1]}, the shortest where a full synchronization, "
+                f"{sum(syncs) / len(syncs):.3g} s, costs at most sync_overhead={self.sync_overhead:g} of the local "
+                f"steps' time, {sum(row[-1] for row in gathered) / len(gathered):.3g} s each)"
+            )
+        else:
+            self._calibration_period = step - self._reference_step
+            self._threshold = calibrated_threshold([row[0] for row in gathered], self._calibration_period)
+            timing = " (sync_overhead=None: calibration_steps)"
+        self._drifts, self._clock = [], None
+        rank_zero_info(
+            f"{type(self).__name__}: divergence threshold Delta = {self._threshold:.6g}, the replicas' mean "
+            f"||f_i - r||^2 after {self._calibration_period} local steps{timing}"
+        )
 
     def _resolve(self, violators: list[int]) -> None:
         """Run the balancing (``plan_balancing``) across processes: a partial set by :class:`SubsetAverage`,
@@ -192,11 +257,18 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         after one (paper 004), ``r`` becomes that model and the violation counter starts again."""
         self._reference = self.model_vector.parameters_of(vector).clone()
         self._violation_counter = 0
+        self._restart_calibration()
+
+    def _restart_calibration(self) -> None:
+        """``r`` was just set outside the protocol: a threshold still to be measured is the drift from here."""
+        self._reference_step, self._drifts, self._clock = self._local_steps, [], None
 
     def protocol_state_dict(self) -> dict[str, Any]:
         return {
             "reference": self.reference.cpu(),
             "divergence_threshold": self._threshold,
+            "calibration_period": self._calibration_period,
+            "reference_step": self._reference_step,
             "violation_counter": self._violation_counter,
             "checks": self._checks,
             "violations": self._violations,
@@ -208,6 +280,8 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
         self._reference = state["reference"].to(self.root_device)
         self._threshold = self._threshold_to_resume(state)
+        self._calibration_period = state.get("calibration_period")
+        self._reference_step = state.get("reference_step", 0)
         self._violation_counter = state["violation_counter"]
         self._checks = state["checks"]
         self._violations = state["violations"]
@@ -229,9 +303,18 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         """Every replica starts from the checkpoint's consensus, a full synchronization in all but name: so, as
         after one, ``r`` becomes that model and the violation counter starts at 0. Kept: the threshold (measured
         or set: the drift per step does not depend on the number of ranks), the counts and DiLoCo's outer state
-        (its own anchor and momentum)."""
+        (its own anchor and momentum). A threshold still to be measured is measured from the consensus: the
+        steps before it and this rank's drifts (:meth:`worker_state_dict`) are forgotten."""
         consensus = self.model_vector.parameters_of(self.model_vector.get()).cpu()
-        return {**state, "reference": consensus, "violation_counter": 0}
+        return {**state, "reference": consensus, "violation_counter": 0, "reference_step": self._local_steps}
+
+    def worker_state_dict(self) -> dict[str, Any]:
+        """This rank's drifts noted while ``Delta`` is still to be measured (a resize starts them again, from the
+        consensus: the default :meth:`resized_worker_state`)."""
+        return {"calibration_drifts": list(self._drifts)}
+
+    def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._drifts = [tuple(entry) for entry in state.get("calibration_drifts", [])]
 
     def protocol_metrics(self) -> dict[str, float]:
         return {
@@ -240,5 +323,6 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             "dynamic/full_syncs": float(self._full_syncs),
             "dynamic/partial_syncs": float(self._partial_syncs),
             **({} if self._threshold is None else {"dynamic/divergence_threshold": self._threshold}),
+            **({} if self._calibration_period is None else {"dynamic/calibration_period": self._calibration_period}),
             **({} if self._outer is None else self._outer.metrics()),
         }

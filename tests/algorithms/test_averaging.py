@@ -1,10 +1,14 @@
 """Paper 004's averaging math, checked in one process against hand-computed cases."""
 
+import math
+
 import pytest
 import torch
 
 from lightning_dist.algorithms.averaging import (
     calibrated_threshold,
+    calibration_period,
+    measured_threshold,
     augment_balancing_set,
     balance_models,
     count_violations,
@@ -68,6 +72,31 @@ def test_bfloat16_means_are_the_exact_mean_rounded_once():
     assert not torch.equal(running / torch.tensor(weights, dtype=bf16).sum(), weighted)
     running = models[0] + models[1] + models[2]
     assert not torch.equal(running / 3, plain)
+
+
+def test_calibration_period_is_the_shortest_whose_synchronization_costs_at_most_the_overhead():
+    """sync <= overhead * period * step: with 0.5 s steps and a 3 s synchronization, 25 % allows 24 steps or more
+    (the first multiple of 10: 30); 100 % allows 6 (10); 1 % would need 600 (none: the longest, 100)."""
+    periods = list(range(10, 101, 10))
+    assert calibration_period(periods, 0.5, 3.0, 0.25) == 30
+    assert calibration_period(periods, 0.5, 3.0, 1.0) == 10
+    assert calibration_period(periods, 0.5, 3.0, 0.01) == 100
+    assert calibration_period(periods, 0.5, 3.0, 0.2) == 30  # exactly 0.2 * 30 * 0.5 = 3.0: allowed
+    assert calibration_period(periods, 0.5, 3.0, None) == 100  # the replayable rule
+    for step, sync in ((math.nan, 3.0), (0.5, math.inf), (0.0, 3.0), (0.5, -1.0)):
+        assert calibration_period(periods, step, sync, 0.25) == 100
+
+
+def test_measured_threshold_averages_the_times_and_takes_the_mean_drift_at_the_chosen_period():
+    """Three replicas with unequal drifts and times: mean step 0.2 s, mean sync 1.0 s; 30 % allows 20 steps or more (not 10),
+    so Delta is the mean drift after 20 steps, (2 + 4 + 9) / 3 = 5. A replica that did not note a drift there (NaN)
+    is left out, and so is a time that is not finite."""
+    periods = [10, 20, 30]
+    drifts = [[1.0, 2.0, 3.0], [1.5, 4.0, 8.0], [0.5, 9.0, 10.0]]
+    assert measured_threshold(drifts, periods, [0.1, 0.2, 0.3], [0.5, 1.0, 1.5], 0.3) == (5.0, 20)
+    assert measured_threshold(drifts, periods, [0.1, 0.2, 0.3], [0.5, 1.0, 1.5], None) == (7.0, 30)
+    with_gap = [[1.0, math.nan, 3.0], *drifts[1:]]
+    assert measured_threshold(with_gap, periods, [0.2, math.nan, 0.2], [1.0, 1.0, math.inf], 0.3) == (6.5, 20)
 
 
 def test_calibrated_threshold_is_the_mean_drift_and_refuses_replicas_that_did_not_move():

@@ -61,7 +61,7 @@ def test_the_first_synchronisation_is_a_full_one_at_calibration_steps_with_delta
     other: worker r has it 4 t + latency + aggregation + (r + 1) t + latency after step 6, the last 8 t + 2
     latencies + aggregation. Strategy: the check's 8-byte ring all-gather (3 (8 / rate + latency)), then the ring
     all-reduce of the models (2 * 3 (m / 4 / rate + latency)), for every worker alike."""
-    protocol = Recorded(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, topology=topology)
+    protocol = Recorded(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=None, topology=topology)
     assert protocol.threshold is None and protocol.config()["divergence_threshold"] is None
     sim = simulation(protocol, workers=WORKERS, max_steps=CALIBRATION, network=ONE_LANE,
                      speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE))
@@ -106,6 +106,51 @@ def test_the_first_synchronisation_is_a_full_one_at_calibration_steps_with_delta
     assert result.summary["virtual_seconds"] == pytest.approx(CALIBRATION * STEP + calibration, rel=1e-12)
 
 
+@pytest.mark.parametrize("topology", ["server", "strategy"])
+def test_the_period_is_the_shortest_whose_synchronisation_costs_at_most_sync_overhead_of_its_steps(topology):
+    """Timed in virtual seconds: 4 workers, checks every 2 steps, calibration at step 6 (periods 2, 4, 6), a step
+    takes STEP. The calibration's synchronisation time is computed here from the network model, and sync_overhead
+    set to sync / (3 STEP): 4 steps qualify (sync <= 4/3 sync), 2 do not. Delta is then the mean drift after 4 steps,
+    computed here from the models as they entered the protocol; the bytes are the report (2 earlier drifts, the
+    drift and the step time: 32 bytes) and the sync time (8 bytes) more than the replayable rule sends.
+
+    Coordinator: the synchronisation begins when the last report leaves (step 6 for all) and ends for worker r when
+    the mean arrives: 4 uploads of m + 32 bytes queued at the coordinator's port, a latency, the aggregation, r + 1
+    downloads of m + 8, a latency. Strategy: the ring all-reduce (2 * 3 (m / 4 / rate + latency))."""
+    sim = simulation(Recorded(), workers=WORKERS, max_steps=1)
+    model_bytes, rate = ModelVector(sim.model).get().nbytes, MBIT * MEGABIT
+    if topology == "server":
+        upload, download = model_bytes + 32, model_bytes + 8
+        mean_rank = sum(rank + 1 for rank in range(WORKERS)) / WORKERS
+        sync = WORKERS * upload / rate + LATENCY + AGGREGATE + mean_rank * download / rate + LATENCY
+    else:
+        sync = 2 * (WORKERS - 1) * (model_bytes / WORKERS / rate + LATENCY)
+    protocol = Recorded(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=sync / (3 * STEP),
+                        topology=topology)
+    sim = simulation(protocol, workers=WORKERS, max_steps=CALIBRATION, network=ONE_LANE,
+                     speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE))
+    initial = ModelVector(sim.model).get()
+    result = sim.run()
+    size = sim.replicas[0].vector.num_parameters
+    assert protocol.calibration_period == 4
+    after_four = drifts([protocol.before[4, rank] for rank in range(WORKERS)], initial, size)
+    assert protocol.threshold == pytest.approx(sum(after_four) / WORKERS, rel=1e-12)
+    assert result.summary["protocol_metrics"]["dynamic/calibration_period"] == 4
+    assert protocol.counts == {"checks": 1, "violations": 0, "full_syncs": 1, "partial_syncs": 0}
+    if topology == "server":  # a report, then the sync time; the coordinator: the means, then Delta
+        sent = [model_bytes + 32 + 8] * WORKERS + [WORKERS * (model_bytes + 8 + 8)]
+    else:  # the ring all-gathers of the 32-byte report and the 8-byte time, the ring all-reduce
+        sent = [(WORKERS - 1) * (32 + 8) + 2 * (WORKERS - 1) * model_bytes // WORKERS] * WORKERS
+    assert sim.simulator.network.bytes_sent == sent
+    # The same run with an overhead 2 steps meet takes the drift after 2; one no period meets, after 6.
+    for overhead, period in ((sync / STEP, 2), (sync / (7 * STEP), 6)):
+        other = DynamicAveraging(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=overhead,
+                                 topology=topology)
+        simulation(other, workers=WORKERS, max_steps=CALIBRATION, network=ONE_LANE,
+                   speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE)).run()
+        assert other.calibration_period == period
+
+
 class Placed(Recorded):
     """At step 8, the first check after the calibration, worker 0 is placed at a squared distance of 1.05 Delta from
     its reference and worker 1 at 0.95 Delta (along the all-ones direction); the others trained on as they were."""
@@ -124,7 +169,7 @@ class Placed(Recorded):
 def test_the_checks_after_the_calibration_compare_with_the_measured_delta(topology):
     """Only worker 0 lies beyond Delta at step 8 (worker 1 at 0.95 Delta, the others' drifts computed here are
     below it): exactly one violation, so Delta, not another threshold within 5 %, decides."""
-    protocol = Placed(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, topology=topology)
+    protocol = Placed(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=None, topology=topology)
     sim, _ = run(protocol, WORKERS, CALIBRATION + CHECK_EVERY)
     size = sim.replicas[0].vector.num_parameters
     reference = weighted_average([protocol.before[CALIBRATION, rank] for rank in range(WORKERS)])
@@ -192,7 +237,7 @@ def test_the_calibration_waits_for_the_workers_present_and_a_later_joiner_starts
     (0.04 s) and the coordinator does not wait for worker 2: Delta is the mean of their two drifts, and they finish
     at once. Worker 2 starts from the calibration's mean, as its reference, at its own step 1; the coordinator
     sent two calibration results and its admission, each a model and Delta."""
-    protocol = Recorded(check_every=2, calibration_steps=4)
+    protocol = Recorded(check_every=2, calibration_steps=4, sync_overhead=None)
     sim = simulation(protocol, workers=3, max_steps=4, churn=Churn(absences={2: [(0.015, 0.07)]}))
     initial = ModelVector(sim.model).get()
     result = sim.run()
@@ -213,7 +258,7 @@ def test_a_joiner_before_the_calibration_starts_from_the_initial_model_and_is_wa
     """Worker 2 is away from the start and joins at 0.015 s, before any report: admitted at once (the model alone:
     Delta is not known yet) with the initial model, as its reference, at step 0. It reaches its step 4 after the
     others, which wait for its report: Delta is the mean of the three drifts, worker 2's from the initial model."""
-    protocol = Recorded(check_every=2, calibration_steps=4)
+    protocol = Recorded(check_every=2, calibration_steps=4, sync_overhead=None)
     sim = simulation(protocol, workers=3, max_steps=4, churn=Churn(absences={2: [(0.0, 0.015)]}))
     initial = ModelVector(sim.model).get()
     result = sim.run()
@@ -235,7 +280,7 @@ def test_a_worker_whose_report_was_lost_reports_again_after_its_last_step():
     it comes back at 0.05 s, before worker 0 (3 times slower) reports: admitted at once with the initial model, it
     has no step left, so it reports after its last step (a drift of 0) and the calibration waits for it. Delta is
     the mean of worker 0's drift and 0, and both end on the mean of worker 0's model and the initial one."""
-    protocol = Recorded(check_every=2, calibration_steps=4)
+    protocol = Recorded(check_every=2, calibration_steps=4, sync_overhead=None)
     sim = simulation(protocol, workers=2, max_steps=4, churn=Churn(absences={1: [(0.0402, 0.05)]}),
                      speed=SpeedModel(step_seconds=0.01, aggregate_seconds=0.001, slowdown={0: 3.0}))
     initial = ModelVector(sim.model).get()

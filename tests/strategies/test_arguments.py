@@ -14,6 +14,12 @@ def test_divergence_threshold(value):
         DynamicAveragingStrategy(divergence_threshold=value)
 
 
+@pytest.mark.parametrize("value", [0, -0.5, float("nan"), float("inf"), "0.25", True])
+def test_sync_overhead(value):
+    with pytest.raises(ValueError, match=r"sync_overhead must be None .* or a finite number > 0 .*; got"):
+        DynamicAveragingStrategy(sync_overhead=value)
+
+
 @pytest.mark.parametrize(("value", "message"), [
     (0, r"calibration_steps must be an integer >= 1"),
     (True, r"calibration_steps must be an integer >= 1"),

@@ -2,7 +2,10 @@
 
 One launch trains the same MLP in two systems of units (every parameter stored 10 times larger, learning rate 100
 times larger: the same trajectory, squared distances 100 times larger) and at two learning rates, with the measured
-threshold and with an absolute one; a second launch resumes the measured run from a checkpoint.
+threshold and with an absolute one; a second launch resumes the measured run from a checkpoint. These runs measure
+``Delta`` after ``calibration_steps`` (``sync_overhead=None``), which replays exactly. The timed choice of the period
+(``sync_overhead`` a number) is tested at the two ends, where the timings cannot change the outcome: an overhead no
+synchronization can meet takes ``calibration_steps``, one every synchronization meets takes ``check_every``.
 """
 
 import pytest
@@ -10,7 +13,9 @@ import torch
 
 from helpers.launch import load_results, run_ranks
 
-CALIBRATION = {"check_every": 5, "calibration_steps": 20}
+CALIBRATION = {"check_every": 5, "calibration_steps": 20, "sync_overhead": None}
+TIMED = {"check_every": 5, "calibration_steps": 20}
+NO_SYNC_IS_THAT_CHEAP, EVERY_SYNC_IS_THAT_CHEAP = 1e-12, 1e12
 UNITS = 10.0
 EPOCHS = 10  # 23 steps per epoch on 2 ranks
 LEARNING_RATES = (0.05, 0.2)
@@ -36,13 +41,24 @@ def fits(tmp_path_factory):
         *(_run(f"measured_lr{lr}", CALIBRATION, learning_rate=lr) for lr in LEARNING_RATES),
         *(_run(f"absolute_lr{lr}", {**CALIBRATION, "divergence_threshold": ABSOLUTE_BETWEEN}, learning_rate=lr)
           for lr in LEARNING_RATES),
+        _run("timed_dear", {**TIMED, "sync_overhead": NO_SYNC_IS_THAT_CHEAP}),
+        _run("timed_cheap", {**TIMED, "sync_overhead": EVERY_SYNC_IS_THAT_CHEAP}),
+        _run("measured_at_check_every", {**CALIBRATION, "calibration_steps": TIMED["check_every"]}),
+        # Calibrating past the first epoch's checkpoint (23 steps): the drifts noted before it must survive.
+        _run("timed_across_checkpoint", {**TIMED, "calibration_steps": 30, "sync_overhead": EVERY_SYNC_IS_THAT_CHEAP},
+             checkpoint_dir=str(root / "timed_checkpoints")),
     ]
     run_ranks(2, "fit", {"trainer": {"max_epochs": EPOCHS}, "runs": runs}, root / "full", timeout=480)
     results = {run["name"]: load_results(root / "full" / run["name"], 2) for run in runs}
     checkpoint = next(checkpoints.glob("epoch=1-*.ckpt"))
-    resume = [_run("resumed", CALIBRATION, ckpt_path=str(checkpoint))]
+    timed_checkpoint = next((root / "timed_checkpoints").glob("epoch=0-*.ckpt"))
+    resume = [
+        _run("resumed", CALIBRATION, ckpt_path=str(checkpoint)),
+        _run("timed_resumed", {**TIMED, "calibration_steps": 30, "sync_overhead": EVERY_SYNC_IS_THAT_CHEAP},
+             ckpt_path=str(timed_checkpoint)),
+    ]
     run_ranks(2, "fit", {"trainer": {"max_epochs": EPOCHS}, "runs": resume}, root / "resumed", timeout=480)
-    results["resumed"] = load_results(root / "resumed" / "resumed", 2)
+    results.update({run["name"]: load_results(root / "resumed" / run["name"], 2) for run in resume})
     for name, ranks in results.items():
         for result in ranks:
             assert result["error"] is None, (name, result["error"])
@@ -114,3 +130,40 @@ def test_after_fit_the_reference_is_the_final_average_and_the_counter_is_zero(fi
         parameters = result["vector"][: result["protocol"]["reference"].numel()]
         assert torch.equal(result["protocol"]["reference"], parameters)
         assert result["protocol"]["violation_counter"] == 0
+
+
+def test_a_synchronization_dearer_than_any_period_allows_takes_the_drift_after_calibration_steps(fits):
+    """The timed rule with an overhead no synchronization meets: the longest period, the same Delta as the replayable
+    rule (the same training up to the calibration), and the period logged."""
+    results, _ = fits
+    dear, replayed = results["timed_dear"][0]["metrics"], results["measured"][0]["metrics"]
+    assert dear["dynamic/calibration_period"] == TIMED["calibration_steps"]
+    assert replayed["dynamic/calibration_period"] == CALIBRATION["calibration_steps"]
+    assert dear["dynamic/divergence_threshold"] == replayed["dynamic/divergence_threshold"]
+
+
+def test_a_synchronization_cheaper_than_any_period_takes_the_drift_after_check_every(fits):
+    """The timed rule with an overhead every synchronization meets: the shortest period, whose drift (the replicas'
+    mean after check_every steps, exactly what calibration_steps=check_every measures) is smaller than the drift after
+    calibration_steps, so the replicas synchronize more often."""
+    results, _ = fits
+    cheap = results["timed_cheap"][0]["metrics"]
+    at_check_every = results["measured_at_check_every"][0]["metrics"]
+    assert cheap["dynamic/calibration_period"] == TIMED["check_every"]
+    assert cheap["dynamic/divergence_threshold"] == at_check_every["dynamic/divergence_threshold"]
+    measured = results["measured"][0]["metrics"]
+    assert cheap["dynamic/divergence_threshold"] < measured["dynamic/divergence_threshold"] / 2
+    assert _syncs(results["timed_cheap"][0]) > _syncs(results["measured"][0])
+
+
+def test_drifts_noted_before_a_checkpoint_set_the_threshold_after_the_resume(fits):
+    """Checkpointed at step 23 of a calibration that ends at step 30: the resumed run's Delta is the drift after 5
+    steps, noted before the checkpoint, and it ends where the uninterrupted run ends."""
+    results, _ = fits
+    uninterrupted, resumed = results["timed_across_checkpoint"], results["timed_resumed"]
+    assert uninterrupted[0]["metrics"]["dynamic/calibration_period"] == TIMED["check_every"]
+    assert (resumed[0]["metrics"]["dynamic/divergence_threshold"]
+            == uninterrupted[0]["metrics"]["dynamic/divergence_threshold"]
+            == results["measured_at_check_every"][0]["metrics"]["dynamic/divergence_threshold"])
+    for after_resume, straight in zip(resumed, uninterrupted):
+        assert torch.equal(after_resume["vector"], straight["vector"])

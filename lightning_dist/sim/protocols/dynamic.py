@@ -42,6 +42,18 @@ every worker computes the same ``Delta``, then the all-reduce of a full synchron
 one the violation counter forces), with no balancing at that check. ``threshold`` holds the ``Delta``
 in use (None until measured), and :meth:`DynamicAveraging.metrics` reports it once known.
 
+That is the rule with ``sync_overhead=None``. With ``sync_overhead`` set (default 0.25) ``Delta`` is the mean
+drift over the shortest period whose full synchronisation costs at most that share of its computing
+(:func:`~lightning_dist.algorithms.averaging.measured_threshold`), timed in virtual seconds as the strategy
+times it in wall seconds: each worker notes its drift at every check before ``calibration_steps`` (no
+message) and the virtual time of its first step, and its calibration report adds those drifts and its mean
+step time (8 bytes each). ``topology="strategy"``: the report's all-gather, the all-reduce, timed by every
+worker, then an 8-byte all-gather of those times. Coordinator: the mean goes out with the time the last
+report left (the synchronisation's start, the moment the strategy's all-gather releases the ranks); each
+worker sends back how long it took (8 bytes) and waits for ``Delta`` (8 bytes), a second round the
+coordinator waits for from the reporters still present, joiners admitted after it. A worker that joined
+during the calibration has no drift at the checks before it joined; ``Delta`` is the mean over those that do.
+
 ``topology="strategy"`` instead moves what :class:`~lightning_dist.strategies.DynamicAveragingStrategy`
 moves, with no coordinator node; every worker meets the others at every check:
 
@@ -95,12 +107,18 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer, outer_optimizer_config
+from lightning_dist.algorithms.arguments import (
+    check_dynamic_schedule,
+    check_outer_optimizer,
+    check_sync_overhead,
+    outer_optimizer_config,
+)
 from lightning_dist.algorithms.averaging import (
     accumulation_dtype,
     balancing_rounds,
     calibrated_threshold,
     local_condition_holds,
+    measured_threshold,
     squared_distance,
     weighted_average,
 )
@@ -115,7 +133,9 @@ _MODEL = "model"  # worker -> coordinator: (model, violated): a violation report
 _REQUEST = "request"  # coordinator -> worker: send your model (payload: the balancing's number)
 _BALANCED = "balanced"  # coordinator -> member: (balancing number, mean, full synchronisation)
 _DRIFT = "drift"  # worker -> coordinator: (model, ||f_i - r||^2): a calibration report
-_CALIBRATED = "calibrated"  # coordinator -> reporter: (mean, Delta): the calibration's full synchronisation
+_CALIBRATED = "calibrated"  # coordinator -> reporter: (mean, Delta or the time the sync began): the calibration's sync
+_SYNC_SECONDS = "sync_seconds"  # reporter -> coordinator: how long the calibration's synchronisation took it
+_THRESHOLD = "threshold"  # coordinator -> reporter: the measured Delta (with sync_overhead set)
 _FLOAT_BYTES = 8  # a float64 on the wire: a drift, or the measured Delta
 
 
@@ -124,8 +144,11 @@ class DynamicAveraging(Protocol):
     divergence_threshold: ``Delta > 0``, squared L2 distance to the reference; None (default) to measure it in
         the run, as :class:`~lightning_dist.strategies.DynamicAveragingStrategy` does (module docstring).
     check_every: ``b >= 1``, steps between local-condition checks; default 10.
-    calibration_steps: with ``divergence_threshold=None``, the steps whose drift sets ``Delta``, a multiple of
-        ``check_every``; default 100, the strategy's. Not used when ``divergence_threshold`` is set.
+    calibration_steps: with ``divergence_threshold=None``, the longest period whose drift can set ``Delta``, a
+        multiple of ``check_every``; default 100, the strategy's. Not used when ``divergence_threshold`` is set.
+    sync_overhead: with ``divergence_threshold=None``, the largest share of computing time the calibration's full
+        synchronisation may cost at the period whose drift becomes ``Delta`` (virtual seconds, module docstring);
+        None takes ``calibration_steps``. Default 0.25, the strategy's.
     seed: seeds the augmentation of the balancing set.
     topology: ``"server"`` (a coordinator node, Algorithm 1 event by event) or ``"strategy"`` (the
         strategy's all-gathered distances, and balancing by a reduce into the members' chunks).
@@ -136,16 +159,20 @@ class DynamicAveraging(Protocol):
 
     Attributes:
         threshold: the ``Delta`` in use: ``divergence_threshold``, or the measured one (None until measured).
+        calibration_period: the local steps whose mean drift the measured ``Delta`` is (None until measured).
     """
 
     name = "dynamic_avg"
-    arguments = ("divergence_threshold", "check_every", "calibration_steps", "seed", "topology", "outer_optimizer")
+    arguments = (
+        "divergence_threshold", "check_every", "calibration_steps", "sync_overhead", "seed", "topology", "outer_optimizer"
+    )
 
     def __init__(
         self,
         divergence_threshold: float | None = None,
         check_every: int = 10,
         calibration_steps: int = 100,
+        sync_overhead: float | None = 0.25,
         seed: int = 0,
         topology: str = "server",
         outer_optimizer: object = None,
@@ -153,7 +180,9 @@ class DynamicAveraging(Protocol):
         self.divergence_threshold, self.check_every, self.calibration_steps = check_dynamic_schedule(
             divergence_threshold, check_every, calibration_steps
         )
+        self.sync_overhead = check_sync_overhead(sync_overhead)
         self.threshold = self.divergence_threshold
+        self.calibration_period: int | None = None
         self.seed = seed
         self.topology = check_topology(topology)
         self.num_servers = 1 if self.topology == "server" else 0
@@ -170,6 +199,10 @@ class DynamicAveraging(Protocol):
         self.threshold = self.divergence_threshold
         # The Delta each worker checks with: a measured one only once the calibration's result reached it.
         self._thresholds = [self.divergence_threshold] * simulation.num_workers
+        self.calibration_period = None
+        # While Delta is to be measured: each worker's (step, drift) at its checks and (step, time) of its first step.
+        self._drifts: list[list[tuple[int, float]]] = [[] for _ in range(simulation.num_workers)]
+        self._clocks: list[tuple[int, float] | None] = [None] * simulation.num_workers
         self.membership = Membership(simulation.present_workers())
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.violation_counter = 0
@@ -183,6 +216,7 @@ class DynamicAveraging(Protocol):
     # ------------------------------------------------------------------ workers
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
+        self._note_calibration(node, rank, step)
         if self.topology == "strategy":
             if step % self.check_every == 0 and not self._calibrating(rank, step):
                 yield from self._check_as_strategy(node, rank, step)
@@ -219,9 +253,47 @@ class DynamicAveraging(Protocol):
         """Start from the reference model (also as the worker's reference) and with ``Delta`` once measured, going
         on from the worker's own step."""
         model, self._thresholds[rank] = yield from request_admission(node, self.simulation.server)
+        self._drifts[rank], self._clocks[rank] = [], None  # a calibration of its own starts from the model it joins with
         self.simulation.replicas[rank].set(model)
         self.references[rank] = self._parameters(model).clone()
         return self.simulation.positions[rank]
+
+    def _note_calibration(self, node: Node, rank: int, step: int) -> None:
+        """While ``Delta`` is to be measured: the time of the worker's first step, and with ``sync_overhead`` set its
+        drift at each check before ``calibration_steps`` (no message), as the strategy notes them."""
+        if self._thresholds[rank] is not None:
+            return
+        if self._clocks[rank] is None:
+            self._clocks[rank] = (step, node.now)
+        if self.sync_overhead is not None and step % self.check_every == 0 and step < self.calibration_steps:
+            model = self._parameters(self.simulation.replicas[rank].get())
+            self._drifts[rank].append((step, squared_distance(model, self.references[rank])))
+
+    def _calibration_report(self, node: Node, rank: int, step: int, drift: float) -> tuple[float, ...]:
+        """What a worker shares at its calibration check: its drift, and with ``sync_overhead`` set first its drifts
+        at the earlier checks (``calibration_steps`` on: the last column) and last its mean step time."""
+        if self.sync_overhead is None:
+            return (drift,)
+        first_step, started = self._clocks[rank] or (step, math.nan)
+        step_seconds = (node.now - started) / (step - first_step) if step > first_step else math.nan
+        noted = dict(self._drifts[rank])
+        return (*(noted.get(check, math.nan) for check in self._periods()[:-1]), drift, step_seconds)
+
+    def _periods(self) -> list[int]:
+        """The periods whose drift can become ``Delta``: every check up to ``calibration_steps``."""
+        return list(range(self.check_every, self.calibration_steps + 1, self.check_every))
+
+    def _measure(self, reports: list[tuple[float, ...]], sync_seconds: list[float]) -> float:
+        """Set ``Delta`` (and the period) from the workers' calibration reports and synchronisation times."""
+        if self.sync_overhead is None:
+            self.calibration_period = self.calibration_steps
+            self.threshold = calibrated_threshold([report[0] for report in reports], self.calibration_steps)
+        else:
+            self.threshold, self.calibration_period = measured_threshold(
+                [report[:-1] for report in reports], self._periods(), [report[-1] for report in reports],
+                sync_seconds, self.sync_overhead,
+            )
+        return self.threshold
 
     def _calibrating(self, rank: int, step: int) -> bool:
         """Whether worker ``rank`` still trains alone at ``step``: it has no ``Delta`` yet (one to be measured) and
@@ -253,15 +325,23 @@ class DynamicAveraging(Protocol):
         self._take(rank, mean, full_sync)
 
     def _report_drift(self, node: Node, rank: int, step: int) -> Program:
-        """The calibration check: send the coordinator this worker's model and ``||f_i - r||^2``, wait, and take the
-        mean (a full synchronisation) and the measured ``Delta``."""
+        """The calibration check: send the coordinator this worker's model and its report (``||f_i - r||^2``; with
+        ``sync_overhead`` set also its earlier drifts and step time), wait, and take the mean (a full
+        synchronisation) and the measured ``Delta``. With ``sync_overhead`` set the mean comes with the time the
+        synchronisation began (when the last report left); the worker returns how long it took and waits for
+        ``Delta``."""
         self.counts["checks"] = max(self.counts["checks"], self._check_number(step))
         model = self.simulation.replicas[rank].get()
-        drift = squared_distance(self._parameters(model), self.references[rank])
-        node.send(self.simulation.server, (model, drift), tag=_DRIFT, nbytes=model.nbytes + _FLOAT_BYTES)
-        message = yield node.recv(source=self.simulation.server, tag=_CALIBRATED)
-        mean, self._thresholds[rank] = message.payload
+        report = self._calibration_report(node, rank, step, squared_distance(self._parameters(model), self.references[rank]))
+        server = self.simulation.server
+        node.send(server, (model, report), tag=_DRIFT, nbytes=model.nbytes + _FLOAT_BYTES * len(report))
+        message = yield node.recv(source=server, tag=_CALIBRATED)
+        mean, threshold = message.payload
         self._take(rank, mean, full_sync=True)
+        if self.sync_overhead is not None:
+            node.send(server, node.now - threshold, tag=_SYNC_SECONDS, nbytes=_FLOAT_BYTES)
+            threshold = (yield node.recv(source=server, tag=_THRESHOLD)).payload
+        self._thresholds[rank] = threshold
 
     def _take(self, rank: int, mean: Tensor, full_sync: bool) -> None:
         """Member ``rank`` replaces its model by the balanced ``mean``; a full synchronisation also makes it
@@ -277,17 +357,14 @@ class DynamicAveraging(Protocol):
         workers = list(range(self.simulation.num_workers))
         local = self.simulation.replicas[rank].get()
         distance = squared_distance(self._parameters(local), self.references[rank])
+        threshold = self._thresholds[rank]
+        if threshold is None:  # the calibration check
+            yield from self._calibrate_as_strategy(node, rank, step, workers, local, distance)
+            return
         distances = yield from node.all_gather(("distance", check), workers, distance, nbytes=8)
-        non_finite = [worker for worker, value in enumerate(distances) if not math.isfinite(value)]
-        if non_finite:
-            raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
+        self._raise_for_non_finite(distances)
         if rank == 0:
             self.counts["checks"] = self._check_number(step)
-        threshold = self._thresholds[rank]
-        if threshold is None:  # the calibration check: every worker measures the same Delta from the same drifts
-            self._thresholds[rank] = self.threshold = calibrated_threshold(distances, self.calibration_steps)
-            yield from self._full_sync_as_strategy(node, rank, workers, local, check)
-            return
         violators = [worker for worker, value in enumerate(distances) if value > threshold]
         if rank == 0:
             self.counts["violations"] += len(violators)
@@ -314,6 +391,31 @@ class DynamicAveraging(Protocol):
         mean = yield from balancing.gather(tag=("gather", check))
         if mean is not None:
             self._take(rank, mean, full_sync=False)
+
+    def _calibrate_as_strategy(
+        self, node: Node, rank: int, step: int, workers: list[int], local: Tensor, distance: float
+    ) -> Program:
+        """The calibration check as the strategy runs it: one all-gather of every worker's report (8 bytes a
+        number), the full synchronisation, with ``sync_overhead`` set timed and its time all-gathered; every worker
+        then measures the same ``Delta``."""
+        check = step // self.check_every
+        report = self._calibration_report(node, rank, step, distance)
+        reports = yield from node.all_gather(("distance", check), workers, report, nbytes=8 * len(report))
+        self._raise_for_non_finite([report[-2 if self.sync_overhead is not None else 0] for report in reports])
+        if rank == 0:
+            self.counts["checks"] = self._check_number(step)
+        started = node.now
+        yield from self._full_sync_as_strategy(node, rank, workers, local, check)
+        sync_seconds: list[float] = []
+        if self.sync_overhead is not None:
+            sync_seconds = yield from node.all_gather(("sync_seconds", check), workers, node.now - started, nbytes=8)
+        self._thresholds[rank] = self._measure(reports, sync_seconds)
+
+    @staticmethod
+    def _raise_for_non_finite(distances: list[float]) -> None:
+        non_finite = [worker for worker, value in enumerate(distances) if not math.isfinite(value)]
+        if non_finite:
+            raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
 
     def _full_sync_as_strategy(self, node: Node, rank: int, workers: list[int], local: Tensor, check: int) -> Program:
         """A full synchronisation as the strategy runs it: one ring all-reduce of every model (in the accumulation
@@ -361,24 +463,36 @@ class DynamicAveraging(Protocol):
     def _calibrate(self, node: Node) -> Program:
         """Measure ``Delta`` from the calibration reports of every worker present, then the first full
         synchronisation (module docstring: the threshold, and churn before it is measured)."""
-        reports: dict[int, tuple[Tensor, float]] = {}  # rank -> (model, drift)
+        reports: dict[int, tuple[Tensor, tuple[float, ...]]] = {}  # rank -> (model, calibration report)
+        sent_at: dict[int, float] = {}
         while not reports or not self.membership.members <= reports.keys():
             message = yield node.recv_any((_DRIFT, JOIN, LEFT))
             if message.tag == _DRIFT:
                 check_finite(message.payload[0], message.source)
-                reports[message.source] = message.payload
+                reports[message.source], sent_at[message.source] = message.payload, message.sent_at
             else:
                 self.membership.handle(message)
             reports = {rank: report for rank, report in reports.items() if rank in self.membership.members}
             if not reports:  # no calibration under way: a joiner starts at once, from the initial model
                 self._admit(node)
         ranks = sorted(reports)
-        self.threshold = calibrated_threshold([reports[rank][1] for rank in ranks], self.calibration_steps)
+        began = max(sent_at[rank] for rank in ranks)  # the synchronisation begins once the last report has left
         mean = yield from node.execute(weighted_average, [reports[rank][0] for rank in ranks], kind="aggregate")
         mean = self._synchronised(mean)
+        timed = self.sync_overhead is not None
+        if not timed:
+            self._measure([reports[rank][1] for rank in ranks], [])
         for rank in ranks:
             if rank in self.membership.members:  # not one that left during the aggregation
-                node.send(rank, (mean, self.threshold), tag=_CALIBRATED, nbytes=mean.nbytes + _FLOAT_BYTES)
+                payload = (mean, began if timed else self.threshold)
+                node.send(rank, payload, tag=_CALIBRATED, nbytes=mean.nbytes + _FLOAT_BYTES)
+        if timed:
+            # How long the synchronisation took each reporter still present (joiners wait for Delta).
+            sync_seconds = yield from self.membership.collect(node, _SYNC_SECONDS, ranks)
+            self._measure([reports[rank][1] for rank in ranks], list(sync_seconds.values()))
+            for rank in sync_seconds:
+                if rank in self.membership.members:
+                    node.send(rank, self.threshold, tag=_THRESHOLD, nbytes=_FLOAT_BYTES)
         self._admit(node)
 
     def _admit(self, node: Node) -> None:
@@ -478,5 +592,7 @@ class DynamicAveraging(Protocol):
 
     def metrics(self) -> dict[str, float]:
         threshold = {} if self.threshold is None else {"dynamic/divergence_threshold": self.threshold}
+        if self.calibration_period is not None:
+            threshold["dynamic/calibration_period"] = self.calibration_period
         outer = {} if self.outer is None else self.outer.metrics()
         return {**{f"dynamic/{key}": float(value) for key, value in self.counts.items()}, **threshold, **outer}
