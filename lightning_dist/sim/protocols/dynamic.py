@@ -43,16 +43,13 @@ one the violation counter forces), with no balancing at that check. ``threshold`
 in use (None until measured), and :meth:`DynamicAveraging.metrics` reports it once known.
 
 That is the rule with ``sync_overhead=None``. With ``sync_overhead`` set (default 0.25) ``Delta`` is the mean
-drift over the shortest period whose full synchronisation costs at most that share of its computing
-(:func:`~lightning_dist.algorithms.averaging.measured_threshold`), timed in virtual seconds as the strategy
-times it in wall seconds: each worker notes its drift at every check before ``calibration_steps`` (no
-message) and the virtual time of its first step, and its calibration report adds those drifts and its mean
-step time (8 bytes each). ``topology="strategy"``: the report's all-gather, the all-reduce, timed by every
-worker, then an 8-byte all-gather of those times. Coordinator: the mean goes out with the time the last
-report left (the synchronisation's start, the moment the strategy's all-gather releases the ranks); each
-worker sends back how long it took (8 bytes) and waits for ``Delta`` (8 bytes), a second round the
-coordinator waits for from the reporters still present, joiners admitted after it. A worker that joined
-during the calibration has no drift at the checks before it joined; ``Delta`` is the mean over those that do.
+drift over the shortest period whose full synchronisation costs at most that share of its computing, from
+what each worker noted and timed (:mod:`lightning_dist.sim.protocols.dynamic_calibration`); its report grows by
+those numbers. ``topology="strategy"``: the report's all-gather, the all-reduce, timed by every worker, then an
+8-byte all-gather of those times. Coordinator: the mean goes out with the time the last report left (the
+synchronisation's start, the moment the strategy's all-gather releases the ranks); each worker sends back how
+long it took (8 bytes) and waits for ``Delta`` (8 bytes), a second round the coordinator waits for from the
+reporters still present, joiners admitted after it.
 
 ``topology="strategy"`` instead moves what :class:`~lightning_dist.strategies.DynamicAveragingStrategy`
 moves, with no coordinator node; every worker meets the others at every check:
@@ -116,15 +113,14 @@ from lightning_dist.algorithms.arguments import (
 from lightning_dist.algorithms.averaging import (
     accumulation_dtype,
     balancing_rounds,
-    calibrated_threshold,
     local_condition_holds,
-    measured_threshold,
     squared_distance,
     weighted_average,
 )
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
+from lightning_dist.sim.protocols.dynamic_calibration import Calibration
 from lightning_dist.sim.protocols.membership import JOIN, LEFT, Membership, request_admission
 from lightning_dist.sim.protocols.subset_average import SubsetAverage
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
@@ -200,9 +196,7 @@ class DynamicAveraging(Protocol):
         # The Delta each worker checks with: a measured one only once the calibration's result reached it.
         self._thresholds = [self.divergence_threshold] * simulation.num_workers
         self.calibration_period = None
-        # While Delta is to be measured: each worker's (step, drift) at its checks and (step, time) of its first step.
-        self._drifts: list[list[tuple[int, float]]] = [[] for _ in range(simulation.num_workers)]
-        self._clocks: list[tuple[int, float] | None] = [None] * simulation.num_workers
+        self.calibration = Calibration(self.check_every, self.calibration_steps, self.sync_overhead, simulation.num_workers)
         self.membership = Membership(simulation.present_workers())
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.violation_counter = 0
@@ -216,7 +210,8 @@ class DynamicAveraging(Protocol):
     # ------------------------------------------------------------------ workers
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
-        self._note_calibration(node, rank, step)
+        if self._thresholds[rank] is None:
+            self.calibration.note(rank, step, node.now, lambda: self._drift(rank))
         if self.topology == "strategy":
             if step % self.check_every == 0 and not self._calibrating(rank, step):
                 yield from self._check_as_strategy(node, rank, step)
@@ -253,46 +248,18 @@ class DynamicAveraging(Protocol):
         """Start from the reference model (also as the worker's reference) and with ``Delta`` once measured, going
         on from the worker's own step."""
         model, self._thresholds[rank] = yield from request_admission(node, self.simulation.server)
-        self._drifts[rank], self._clocks[rank] = [], None  # a calibration of its own starts from the model it joins with
+        self.calibration.restart(rank)
         self.simulation.replicas[rank].set(model)
         self.references[rank] = self._parameters(model).clone()
         return self.simulation.positions[rank]
 
-    def _note_calibration(self, node: Node, rank: int, step: int) -> None:
-        """While ``Delta`` is to be measured: the time of the worker's first step, and with ``sync_overhead`` set its
-        drift at each check before ``calibration_steps`` (no message), as the strategy notes them."""
-        if self._thresholds[rank] is not None:
-            return
-        if self._clocks[rank] is None:
-            self._clocks[rank] = (step, node.now)
-        if self.sync_overhead is not None and step % self.check_every == 0 and step < self.calibration_steps:
-            model = self._parameters(self.simulation.replicas[rank].get())
-            self._drifts[rank].append((step, squared_distance(model, self.references[rank])))
-
-    def _calibration_report(self, node: Node, rank: int, step: int, drift: float) -> tuple[float, ...]:
-        """What a worker shares at its calibration check: its drift, and with ``sync_overhead`` set first its drifts
-        at the earlier checks (``calibration_steps`` on: the last column) and last its mean step time."""
-        if self.sync_overhead is None:
-            return (drift,)
-        first_step, started = self._clocks[rank] or (step, math.nan)
-        step_seconds = (node.now - started) / (step - first_step) if step > first_step else math.nan
-        noted = dict(self._drifts[rank])
-        return (*(noted.get(check, math.nan) for check in self._periods()[:-1]), drift, step_seconds)
-
-    def _periods(self) -> list[int]:
-        """The periods whose drift can become ``Delta``: every check up to ``calibration_steps``."""
-        return list(range(self.check_every, self.calibration_steps + 1, self.check_every))
+    def _drift(self, rank: int) -> float:
+        """Worker ``rank``'s ``||f_i - r||^2``."""
+        return squared_distance(self._parameters(self.simulation.replicas[rank].get()), self.references[rank])
 
     def _measure(self, reports: list[tuple[float, ...]], sync_seconds: list[float]) -> float:
         """Set ``Delta`` (and the period) from the workers' calibration reports and synchronisation times."""
-        if self.sync_overhead is None:
-            self.calibration_period = self.calibration_steps
-            self.threshold = calibrated_threshold([report[0] for report in reports], self.calibration_steps)
-        else:
-            self.threshold, self.calibration_period = measured_threshold(
-                [report[:-1] for report in reports], self._periods(), [report[-1] for report in reports],
-                sync_seconds, self.sync_overhead,
-            )
+        self.threshold, self.calibration_period = self.calibration.measure(reports, sync_seconds)
         return self.threshold
 
     def _calibrating(self, rank: int, step: int) -> bool:
@@ -332,13 +299,13 @@ class DynamicAveraging(Protocol):
         ``Delta``."""
         self.counts["checks"] = max(self.counts["checks"], self._check_number(step))
         model = self.simulation.replicas[rank].get()
-        report = self._calibration_report(node, rank, step, squared_distance(self._parameters(model), self.references[rank]))
+        report = self.calibration.report(rank, step, node.now, self._drift(rank))
         server = self.simulation.server
         node.send(server, (model, report), tag=_DRIFT, nbytes=model.nbytes + _FLOAT_BYTES * len(report))
         message = yield node.recv(source=server, tag=_CALIBRATED)
         mean, threshold = message.payload
         self._take(rank, mean, full_sync=True)
-        if self.sync_overhead is not None:
+        if self.calibration.timed:
             node.send(server, node.now - threshold, tag=_SYNC_SECONDS, nbytes=_FLOAT_BYTES)
             threshold = (yield node.recv(source=server, tag=_THRESHOLD)).payload
         self._thresholds[rank] = threshold
@@ -399,15 +366,15 @@ class DynamicAveraging(Protocol):
         number), the full synchronisation, with ``sync_overhead`` set timed and its time all-gathered; every worker
         then measures the same ``Delta``."""
         check = step // self.check_every
-        report = self._calibration_report(node, rank, step, distance)
+        report = self.calibration.report(rank, step, node.now, distance)
         reports = yield from node.all_gather(("distance", check), workers, report, nbytes=8 * len(report))
-        self._raise_for_non_finite([report[-2 if self.sync_overhead is not None else 0] for report in reports])
+        self._raise_for_non_finite([report[-2 if self.calibration.timed else 0] for report in reports])
         if rank == 0:
             self.counts["checks"] = self._check_number(step)
         started = node.now
         yield from self._full_sync_as_strategy(node, rank, workers, local, check)
         sync_seconds: list[float] = []
-        if self.sync_overhead is not None:
+        if self.calibration.timed:
             sync_seconds = yield from node.all_gather(("sync_seconds", check), workers, node.now - started, nbytes=8)
         self._thresholds[rank] = self._measure(reports, sync_seconds)
 
@@ -479,7 +446,7 @@ class DynamicAveraging(Protocol):
         began = max(sent_at[rank] for rank in ranks)  # the synchronisation begins once the last report has left
         mean = yield from node.execute(weighted_average, [reports[rank][0] for rank in ranks], kind="aggregate")
         mean = self._synchronised(mean)
-        timed = self.sync_overhead is not None
+        timed = self.calibration.timed
         if not timed:
             self._measure([reports[rank][1] for rank in ranks], [])
         for rank in ranks:
