@@ -115,31 +115,42 @@ def calibration_period(
     return next((period for period in periods if sync_seconds <= sync_overhead * period * step_seconds), longest)
 
 
-def measured_threshold(
-    drifts: Sequence[Sequence[float]],
+SYNC_PROBE_PARTS = 8
+"""The calibration's probe all-reduces ``1 / SYNC_PROBE_PARTS`` of a full synchronization's bytes."""
+
+
+def estimated_sync_seconds(latency_seconds: float, probe_seconds: float, parts: int = SYNC_PROBE_PARTS) -> float:
+    """A full synchronization's time from two probes: an all-reduce of 8 bytes (``latency_seconds``) and one of
+    ``1 / parts`` of the model's bytes (``probe_seconds``).
+
+    A collective's time is about ``a + c * bytes``; the line through both probes gives ``parts * probe -
+    (parts - 1) * latency`` for the whole model, and never less than the probe itself (a noisy pair). Probing an
+    eighth costs an eighth of a synchronization, where timing a real one would cost it all before ``Delta`` is known.
+    """
+    return max(probe_seconds, parts * probe_seconds - (parts - 1) * latency_seconds)
+
+
+def probed_period(
     periods: Sequence[int],
     step_seconds: Sequence[float],
-    sync_seconds: Sequence[float],
-    sync_overhead: float | None,
-) -> tuple[float, int]:
-    """``(Delta, period)`` from a calibration: ``drifts[i][k]`` is replica ``i``'s ``||f^i - r||^2`` after
-    ``periods[k]`` local steps, ``step_seconds[i]`` its mean local step, ``sync_seconds[i]`` how long the
-    calibration's full synchronization took it.
+    latency_seconds: Sequence[float],
+    probe_seconds: Sequence[float],
+    sync_overhead: float,
+) -> int:
+    """:func:`calibration_period` from every replica's mean step time and probe times (:func:`estimated_sync_seconds`).
 
-    The times are averaged over the replicas that measured them (finite ones), the period chosen by
-    :func:`calibration_period`, and ``Delta`` is the replicas' mean drift after it (:func:`calibrated_threshold`),
-    over the replicas that noted one there (a NaN: the simulator's worker that joined during the calibration).
-    Every replica computes the same result from the same gathered numbers.
+    Step times are averaged; each probe's time is the fastest replica's, the one that arrived last and waited for
+    nobody (the others' times include waiting for it). Non-finite times are left out.
     """
 
-    def finite_mean(values: Sequence[float]) -> float:
-        finite = [value for value in values if math.isfinite(value)]
-        return math.fsum(finite) / len(finite) if finite else math.nan
+    def finite(values: Sequence[float]) -> list[float]:
+        return [value for value in values if math.isfinite(value)]
 
-    period = calibration_period(periods, finite_mean(step_seconds), finite_mean(sync_seconds), sync_overhead)
-    column = list(periods).index(period)
-    noted = [drift[column] for drift in drifts if not math.isnan(drift[column])]
-    return calibrated_threshold(noted, period), period
+    steps, latencies, probes = finite(step_seconds), finite(latency_seconds), finite(probe_seconds)
+    if not (steps and latencies and probes):
+        return periods[-1]
+    sync_seconds = estimated_sync_seconds(min(latencies), min(probes))
+    return calibration_period(periods, math.fsum(steps) / len(steps), sync_seconds, sync_overhead)
 
 
 def divergence(models: Sequence[Tensor]) -> float:

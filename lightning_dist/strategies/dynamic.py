@@ -12,9 +12,11 @@ from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer, check_sync_overhead
 from lightning_dist.algorithms.averaging import (
+    SYNC_PROBE_PARTS,
+    accumulation_dtype,
     calibrated_threshold,
-    measured_threshold,
     plan_balancing,
+    probed_period,
     squared_distance_sum,
 )
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
@@ -47,18 +49,21 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     The threshold. ``divergence_threshold`` is paper 004's absolute ``Delta`` (squared L2 over all
     flattened parameters); the authors' MNIST scripts used 0.1 to 1.0 for small CNNs, which is orders
     of magnitude off for other models (a 1.3M-parameter transformer drifts by 7 in 10 steps). So by
-    default (None) the run measures it: the replicas train alone for ``calibration_steps`` steps,
-    each noting its ``||f_i - r||^2`` at every check and timing its steps; then one all-gather
-    shares those numbers and a full synchronization, timed, starts the dynamic protocol. ``Delta``
-    becomes the replicas' mean drift after the shortest period (a multiple of ``check_every``, at most
-    ``calibration_steps``) over which that synchronization costs at most ``sync_overhead`` times the
-    computing (:func:`~lightning_dist.algorithms.averaging.calibration_period`): the divergence of
-    the periodic protocol worth running on this network, which paper 004's Theorem 5 says dynamic
-    averaging matches with less communication. Both are logged and kept in checkpoints. On a slow
-    network the period is long and ``Delta`` large; on a fast one (or a small model) the reverse.
-    Afterwards the replicas synchronize when they have drifted as far as they did over that period
-    at the start. ``sync_overhead=None`` takes ``calibration_steps`` as the period whatever the
-    timings, so a seeded run replays exactly.
+    default (None) the run measures it. After its first step every rank times two probe
+    all-reduces, of 8 bytes and of an eighth of the model's bytes, which give a full
+    synchronization's time (:func:`~lightning_dist.algorithms.averaging.estimated_sync_seconds`);
+    at the first check the ranks share those times and their mean step time (one all-gather) and
+    pick the period: the shortest multiple of ``check_every``, at most ``calibration_steps``, over
+    which a synchronization costs at most ``sync_overhead`` times the computing
+    (:func:`~lightning_dist.algorithms.averaging.probed_period`). The replicas train alone for that
+    many steps; the mean of their ``||f_i - r||^2`` then becomes ``Delta`` and a full
+    synchronization starts the dynamic protocol. ``Delta`` is the divergence of the periodic
+    protocol worth running on this network, which paper 004's Theorem 5 says dynamic averaging
+    matches with less communication: on a slow network (or a large model) the period is long and
+    ``Delta`` large, on a fast one short. Both are logged and kept in checkpoints. Afterwards the
+    replicas synchronize when they have drifted as far as they did over that period at the start.
+    ``sync_overhead=None`` takes ``calibration_steps`` as the period with no probe, so a seeded run
+    replays exactly.
 
     Choices where the paper is silent: the distance covers parameters only (not buffers);
     floating-point buffers are averaged with the parameters; optimizer state (momentum) stays
@@ -118,10 +123,12 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         self.sync_overhead = sync_overhead
         self.outer_optimizer = outer_optimizer
         self._threshold = divergence_threshold  # the Delta in use: None until calibrated
-        self._calibration_period: int | None = None  # the local steps whose drift Delta is, once measured
-        self._reference_step = 0  # the local step at which r was set, as long as Delta is to be measured
-        self._drifts: list[tuple[int, float]] = []  # (step, ||f_i - r||^2) at this rank's checks while calibrating
-        self._clock: tuple[int, float] | None = None  # (step, time) at this process's first step while calibrating
+        # While Delta is to be measured: the local steps whose drift it will be (None until chosen), the step at
+        # which r was set, and this process's probe times and (step, time) once it has probed.
+        self._calibration_period: int | None = None if sync_overhead is not None else calibration_steps
+        self._reference_step = 0
+        self._probes = (math.nan, math.nan)
+        self._clock: tuple[int, float] | None = None
         self._outer: OuterStep | None = None
         self._reference: Tensor | None = None
         self._violation_counter = 0
@@ -146,21 +153,13 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         return self._threshold
 
     def after_local_step(self, step: int) -> None:
-        calibrating = self._threshold is None
-        if calibrating and self._clock is None:
-            self._clock = (step, time.perf_counter())
+        if self._threshold is None:
+            self._calibrate(step)
+            return
         if step % self.check_every != 0:
             return
-        if calibrating and step < self.calibration_steps:
-            if self.sync_overhead is not None:  # the drift curve the period is chosen from; no message
-                self._drifts.append((step, float(self._distance())))
-            return
         self._checks += 1
-        distance = self._distance()
-        if calibrating:
-            self._calibrate(step, distance)
-            return
-        distances = self.comm.all_gather(distance.view(1), purpose="protocol").view(-1).tolist()
+        distances = self.comm.all_gather(self._distance().view(1), purpose="protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
         violators = [rank for rank, value in enumerate(distances) if value > self._threshold]
         if violators:
@@ -180,41 +179,64 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             distance = torch.where(finite, distance, torch.full_like(distance, math.nan))
         return distance
 
-    def _calibrate(self, step: int, distance: Tensor) -> None:
-        """The calibration check: gather every rank's drifts (and step time), run the first full synchronization
-        (timed), agree on its time and set ``Delta`` (:func:`measured_threshold`; class docstring)."""
-        timed = self.sync_overhead is not None
-        local = distance.view(1)
-        if timed:
-            first_step, started = self._clock if self._clock is not None else (step, math.nan)
-            step_seconds = (time.perf_counter() - started) / (step - first_step) if step > first_step else math.nan
-            drifts = [drift for _, drift in self._drifts]
-            local = torch.cat([local.new_tensor(drifts), local, local.new_tensor([step_seconds])])
-        gathered = self.comm.all_gather(local, purpose="protocol").view(self.comm.world_size, -1).tolist()
-        self.raise_for_ranks([rank for rank, row in enumerate(gathered) if not math.isfinite(row[len(self._drifts)])])
-        started = time.perf_counter()
-        self._full_sync()
-        if timed:
-            sync_seconds = time.perf_counter() - started
-            syncs = self.comm.all_gather(local.new_tensor([sync_seconds]), purpose="protocol").view(-1).tolist()
-            periods = [check - self._reference_step for check, _ in self._drifts] + [step - self._reference_step]
-            self._threshold, self._calibration_period = measured_threshold(
-                [row[:-1] for row in gathered], periods, [row[-1] for row in gathered], syncs, self.sync_overhead
-            )
-            timing = (
-                f" (of the periods {periods[0]}-{periods[-1]}, the shortest where a full synchronization, "
-                f"{sum(syncs) / len(syncs):.3g} s, costs at most sync_overhead={self.sync_overhead:g} of the local "
-                f"steps' time, {sum(row[-1] for row in gathered) / len(gathered):.3g} s each)"
-            )
-        else:
-            self._calibration_period = step - self._reference_step
-            self._threshold = calibrated_threshold([row[0] for row in gathered], self._calibration_period)
-            timing = " (sync_overhead=None: calibration_steps)"
-        self._drifts, self._clock = [], None
+    def _calibrate(self, step: int) -> None:
+        """While ``Delta`` is to be measured (class docstring): probe after this process's first step, choose the
+        period at the first check, and once the replicas have trained alone for it, measure ``Delta`` (one
+        all-gather of the distances) and run the full synchronization that starts the protocol."""
+        if self._clock is None:
+            if self._calibration_period is None:
+                self._probes = self._probe()
+            self._clock = (step, time.perf_counter())
+        if step % self.check_every != 0:
+            return
+        if self._calibration_period is None:
+            self._calibration_period = self._choose_period(step)
+        trained_alone = step - self._reference_step
+        if trained_alone < self._calibration_period:
+            return
+        self._checks += 1
+        distances = self.comm.all_gather(self._distance().view(1), purpose="protocol").view(-1).tolist()
+        self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
+        self._threshold = calibrated_threshold(distances, trained_alone)
         rank_zero_info(
             f"{type(self).__name__}: divergence threshold Delta = {self._threshold:.6g}, the replicas' mean "
-            f"||f_i - r||^2 after {self._calibration_period} local steps{timing}"
+            f"||f_i - r||^2 after {trained_alone} local steps; a full synchronization starts the dynamic protocol"
         )
+        self._full_sync()
+
+    def _probe(self) -> tuple[float, float]:
+        """This rank's times of an 8-byte all-reduce and of one of ``1 / SYNC_PROBE_PARTS`` of a full
+        synchronization's bytes (after an untimed 8-byte one that lines the ranks up). The values read back make
+        the time include an accelerator's work."""
+        vector = self.model_vector.get()
+        dtype = accumulation_dtype(vector.dtype)
+        small = torch.zeros(1, dtype=torch.float64, device=vector.device)
+        probe = torch.zeros(max(vector.numel() // SYNC_PROBE_PARTS, 1), dtype=dtype, device=vector.device)
+        self.comm.all_reduce_sum_(small, "protocol")
+        times = []
+        for tensor in (small, probe):
+            started = time.perf_counter()
+            float(self.comm.all_reduce_sum_(tensor, "protocol")[0])
+            times.append(time.perf_counter() - started)
+        return times[0], times[1]
+
+    def _choose_period(self, step: int) -> int:
+        """The period every rank takes (:func:`probed_period` of the all-gathered probe and step times)."""
+        first_step, started = self._clock if self._clock is not None else (step, math.nan)
+        step_seconds = (time.perf_counter() - started) / (step - first_step) if step > first_step else math.nan
+        local = torch.tensor([*self._probes, step_seconds], dtype=torch.float64, device=self.root_device)
+        rows = self.comm.all_gather(local, purpose="protocol").view(self.comm.world_size, -1).tolist()
+        periods = list(range(self.check_every, self.calibration_steps + 1, self.check_every))
+        latency, probe, steps = ([row[column] for row in rows] for column in range(3))
+        assert self.sync_overhead is not None
+        period = probed_period(periods, steps, latency, probe, self.sync_overhead)
+        rank_zero_info(
+            f"{type(self).__name__}: Delta will be the replicas' drift over {period} local steps, the shortest period "
+            f"(of {periods[0]}-{periods[-1]}) in which a full synchronization (probed: {min(latency):.3g} s for 8 "
+            f"bytes, {min(probe):.3g} s for 1/{SYNC_PROBE_PARTS} of the model) costs at most "
+            f"sync_overhead={self.sync_overhead:g} of the computing ({sum(steps) / len(steps):.3g} s a step)"
+        )
+        return period
 
     def _resolve(self, violators: list[int]) -> None:
         """Run the balancing (``plan_balancing``) across processes: a partial set by :class:`SubsetAverage`,
@@ -257,11 +279,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         after one (paper 004), ``r`` becomes that model and the violation counter starts again."""
         self._reference = self.model_vector.parameters_of(vector).clone()
         self._violation_counter = 0
-        self._restart_calibration()
-
-    def _restart_calibration(self) -> None:
-        """``r`` was just set outside the protocol: a threshold still to be measured is the drift from here."""
-        self._reference_step, self._drifts, self._clock = self._local_steps, [], None
+        self._reference_step = self._local_steps  # a Delta still to be measured is the drift from here
 
     def protocol_state_dict(self) -> dict[str, Any]:
         return {
@@ -280,7 +298,8 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
         self._reference = state["reference"].to(self.root_device)
         self._threshold = self._threshold_to_resume(state)
-        self._calibration_period = state.get("calibration_period")
+        if state.get("calibration_period") is not None:  # chosen before the checkpoint (or None: to be chosen)
+            self._calibration_period = state["calibration_period"]
         self._reference_step = state.get("reference_step", 0)
         self._violation_counter = state["violation_counter"]
         self._checks = state["checks"]
@@ -304,17 +323,9 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         after one, ``r`` becomes that model and the violation counter starts at 0. Kept: the threshold (measured
         or set: the drift per step does not depend on the number of ranks), the counts and DiLoCo's outer state
         (its own anchor and momentum). A threshold still to be measured is measured from the consensus: the
-        steps before it and this rank's drifts (:meth:`worker_state_dict`) are forgotten."""
+        period, if chosen, counts from there."""
         consensus = self.model_vector.parameters_of(self.model_vector.get()).cpu()
         return {**state, "reference": consensus, "violation_counter": 0, "reference_step": self._local_steps}
-
-    def worker_state_dict(self) -> dict[str, Any]:
-        """This rank's drifts noted while ``Delta`` is still to be measured (a resize starts them again, from the
-        consensus: the default :meth:`resized_worker_state`)."""
-        return {"calibration_drifts": list(self._drifts)}
-
-    def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._drifts = [tuple(entry) for entry in state.get("calibration_drifts", [])]
 
     def protocol_metrics(self) -> dict[str, float]:
         return {
@@ -323,6 +334,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             "dynamic/full_syncs": float(self._full_syncs),
             "dynamic/partial_syncs": float(self._partial_syncs),
             **({} if self._threshold is None else {"dynamic/divergence_threshold": self._threshold}),
-            **({} if self._calibration_period is None else {"dynamic/calibration_period": self._calibration_period}),
+            **({} if self.divergence_threshold is not None or self._calibration_period is None
+               else {"dynamic/calibration_period": self._calibration_period}),
             **({} if self._outer is None else self._outer.metrics()),
         }

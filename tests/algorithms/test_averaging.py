@@ -8,7 +8,8 @@ import torch
 from lightning_dist.algorithms.averaging import (
     calibrated_threshold,
     calibration_period,
-    measured_threshold,
+    estimated_sync_seconds,
+    probed_period,
     augment_balancing_set,
     balance_models,
     count_violations,
@@ -87,16 +88,24 @@ def test_calibration_period_is_the_shortest_whose_synchronization_costs_at_most_
         assert calibration_period(periods, step, sync, 0.25) == 100
 
 
-def test_measured_threshold_averages_the_times_and_takes_the_mean_drift_at_the_chosen_period():
-    """Three replicas with unequal drifts and times: mean step 0.2 s, mean sync 1.0 s; 30 % allows 20 steps or more (not 10),
-    so Delta is the mean drift after 20 steps, (2 + 4 + 9) / 3 = 5. A replica that did not note a drift there (NaN)
-    is left out, and so is a time that is not finite."""
-    periods = [10, 20, 30]
-    drifts = [[1.0, 2.0, 3.0], [1.5, 4.0, 8.0], [0.5, 9.0, 10.0]]
-    assert measured_threshold(drifts, periods, [0.1, 0.2, 0.3], [0.5, 1.0, 1.5], 0.3) == (5.0, 20)
-    assert measured_threshold(drifts, periods, [0.1, 0.2, 0.3], [0.5, 1.0, 1.5], None) == (7.0, 30)
-    with_gap = [[1.0, math.nan, 3.0], *drifts[1:]]
-    assert measured_threshold(with_gap, periods, [0.2, math.nan, 0.2], [1.0, 1.0, math.inf], 0.3) == (6.5, 20)
+def test_estimated_sync_seconds_extends_the_line_through_the_two_probes():
+    """t = a + c * bytes through (8 bytes: 0.01 s) and (an eighth: 0.06 s): 8 * 0.06 - 7 * 0.01 = 0.41 s for the
+    whole model; a probe no slower than the 8 bytes (latency-bound, or noise) gives the probe's own time."""
+    assert estimated_sync_seconds(0.01, 0.06) == pytest.approx(0.41)
+    assert estimated_sync_seconds(0.01, 0.06, parts=4) == pytest.approx(0.21)
+    assert estimated_sync_seconds(0.05, 0.04) == 0.04
+
+
+def test_probed_period_takes_the_mean_step_and_the_fastest_probes():
+    """Three ranks: mean step 0.2 s; fastest probes 0.01 s and 0.04 s (the others waited for the last to arrive)
+    give 8 * 0.04 - 7 * 0.01 = 0.25 s; at 30 % 10 steps allow 0.6 s: period 10; at 5 %, 30 steps (0.3 s). Non-finite
+    times are left out; none at all gives the longest period."""
+    periods = [10, 20, 30, 40]
+    steps, latencies, probes = [0.1, 0.2, 0.3], [0.02, 0.01, 0.5], [0.04, 0.09, 0.6]
+    assert probed_period(periods, steps, latencies, probes, 0.3) == 10
+    assert probed_period(periods, steps, latencies, probes, 0.05) == 30
+    assert probed_period(periods, [0.2, math.nan, 0.2], latencies, [0.04, math.inf, 0.6], 0.05) == 30
+    assert probed_period(periods, [math.nan], [0.01], [0.04], 0.3) == 40
 
 
 def test_calibrated_threshold_is_the_mean_drift_and_refuses_replicas_that_did_not_move():

@@ -106,49 +106,63 @@ def test_the_first_synchronisation_is_a_full_one_at_calibration_steps_with_delta
     assert result.summary["virtual_seconds"] == pytest.approx(CALIBRATION * STEP + calibration, rel=1e-12)
 
 
-@pytest.mark.parametrize("topology", ["server", "strategy"])
-def test_the_period_is_the_shortest_whose_synchronisation_costs_at_most_sync_overhead_of_its_steps(topology):
-    """Timed in virtual seconds: 4 workers, checks every 2 steps, calibration at step 6 (periods 2, 4, 6), a step
-    takes STEP. The calibration's synchronisation time is computed here from the network model, and sync_overhead
-    set to sync / (3 STEP): 4 steps qualify (sync <= 4/3 sync), 2 do not. Delta is then the mean drift after 4 steps,
-    computed here from the models as they entered the protocol; the bytes are the report (2 earlier drifts, the
-    drift and the step time: 32 bytes) and the sync time (8 bytes) more than the replayable rule sends.
+def probed_sync_seconds(model_bytes):
+    """The full synchronisation's time the strategy topology's probes give (ring all-reduces of 8 bytes and of an
+    eighth of the model, ``2 (W - 1) (bytes / W / rate + latency)`` each; estimated_sync_seconds by hand)."""
+    rate = MBIT * MEGABIT
 
-    Coordinator: the synchronisation begins when the last report leaves (step 6 for all) and ends for worker r when
-    the mean arrives: 4 uploads of m + 32 bytes queued at the coordinator's port, a latency, the aggregation, r + 1
-    downloads of m + 8, a latency. Strategy: the ring all-reduce (2 * 3 (m / 4 / rate + latency))."""
-    sim = simulation(Recorded(), workers=WORKERS, max_steps=1)
-    model_bytes, rate = ModelVector(sim.model).get().nbytes, MBIT * MEGABIT
-    if topology == "server":
-        upload, download = model_bytes + 32, model_bytes + 8
-        mean_rank = sum(rank + 1 for rank in range(WORKERS)) / WORKERS
-        sync = WORKERS * upload / rate + LATENCY + AGGREGATE + mean_rank * download / rate + LATENCY
-    else:
-        sync = 2 * (WORKERS - 1) * (model_bytes / WORKERS / rate + LATENCY)
-    protocol = Recorded(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=sync / (3 * STEP),
+    def ring(nbytes):
+        return 2 * (WORKERS - 1) * (nbytes / WORKERS / rate + LATENCY)
+
+    return 8 * ring(model_bytes // 8) - 7 * ring(8)
+
+
+def test_the_period_is_the_shortest_whose_probed_synchronisation_costs_at_most_sync_overhead_of_its_steps():
+    """topology="strategy", timed in virtual seconds: 4 workers, checks every 2 steps, calibration_steps 6 (periods
+    2, 4, 6), a step takes STEP. The probes' estimate of a full synchronisation is computed here from the network
+    model, and sync_overhead set to it / (3 STEP): 4 steps qualify (sync <= 4/3 sync), 2 do not. Overheads that
+    2 steps meet, and that no period meets, take 2 and 6."""
+    model_bytes = ModelVector(simulation(Recorded(), workers=WORKERS, max_steps=1).model).get().nbytes
+    sync = probed_sync_seconds(model_bytes)
+    for overhead, period in ((sync / (3 * STEP), 4), (sync / STEP, 2), (sync / (7 * STEP), 6)):
+        protocol = DynamicAveraging(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=overhead,
+                                    topology="strategy")
+        simulation(protocol, workers=WORKERS, max_steps=period, network=ONE_LANE,
+                   speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE)).run()
+        assert protocol.calibration_period == period, (overhead, period)
+
+
+@pytest.mark.parametrize("topology", ["server", "strategy"])
+@pytest.mark.parametrize(("sync_overhead", "period"), [(1e12, CHECK_EVERY), (1e-12, CALIBRATION)])
+def test_with_sync_overhead_delta_is_the_mean_drift_over_the_chosen_period(topology, sync_overhead, period):
+    """An overhead every synchronisation meets takes check_every, one none meets calibration_steps; Delta is the
+    workers' mean drift after that many steps (computed here from their models), and the first synchronisation
+    comes there. Bytes of the longest period: the replayable calibration's plus the probes (8 bytes and an eighth
+    of a synchronisation's bytes; a ring all-reduce moves 2 (W - 1) / W of them per worker, the coordinator sends
+    each back) and, with the strategy's topology, the 24-byte all-gather of the times."""
+    protocol = Recorded(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=sync_overhead,
                         topology=topology)
-    sim = simulation(protocol, workers=WORKERS, max_steps=CALIBRATION, network=ONE_LANE,
+    sim = simulation(protocol, workers=WORKERS, max_steps=period, network=ONE_LANE,
                      speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE))
     initial = ModelVector(sim.model).get()
     result = sim.run()
     size = sim.replicas[0].vector.num_parameters
-    assert protocol.calibration_period == 4
-    after_four = drifts([protocol.before[4, rank] for rank in range(WORKERS)], initial, size)
-    assert protocol.threshold == pytest.approx(sum(after_four) / WORKERS, rel=1e-12)
-    assert result.summary["protocol_metrics"]["dynamic/calibration_period"] == 4
+    assert protocol.calibration_period == period
+    assert result.summary["protocol_metrics"]["dynamic/calibration_period"] == period
+    entering = [protocol.before[period, rank] for rank in range(WORKERS)]
+    assert protocol.threshold == pytest.approx(sum(drifts(entering, initial, size)) / WORKERS, rel=1e-12)
     assert protocol.counts == {"checks": 1, "violations": 0, "full_syncs": 1, "partial_syncs": 0}
-    if topology == "server":  # a report, then the sync time; the coordinator: the means, then Delta
-        sent = [model_bytes + 32 + 8] * WORKERS + [WORKERS * (model_bytes + 8 + 8)]
-    else:  # the ring all-gathers of the 32-byte report and the 8-byte time, the ring all-reduce
-        sent = [(WORKERS - 1) * (32 + 8) + 2 * (WORKERS - 1) * model_bytes // WORKERS] * WORKERS
-    assert sim.simulator.network.bytes_sent == sent
-    # The same run with an overhead 2 steps meet takes the drift after 2; one no period meets, after 6.
-    for overhead, period in ((sync / STEP, 2), (sync / (7 * STEP), 6)):
-        other = DynamicAveraging(check_every=CHECK_EVERY, calibration_steps=CALIBRATION, sync_overhead=overhead,
-                                 topology=topology)
-        simulation(other, workers=WORKERS, max_steps=CALIBRATION, network=ONE_LANE,
-                   speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE)).run()
-        assert other.calibration_period == period
+    model_bytes = initial.nbytes
+    probe = model_bytes // 8
+    if topology == "server":
+        report = model_bytes + 8
+        sent = [8 + probe + report] * WORKERS + [WORKERS * (8 + probe + report)]
+    else:  # two 8-byte all-reduces (the first lines the workers up), the probe, the all-gathers, the synchronisation
+        all_reduces = 2 * (WORKERS - 1) * (2 * 8 + probe + model_bytes)
+        sent = [all_reduces + WORKERS * (WORKERS - 1) * (24 + 8)]  # in total: the ring splits unevenly by a byte
+    if period == CALIBRATION:
+        totals = sim.simulator.network.bytes_sent if topology == "server" else [sum(sim.simulator.network.bytes_sent)]
+        assert totals == sent
 
 
 class Placed(Recorded):

@@ -4,8 +4,9 @@ One launch trains the same MLP in two systems of units (every parameter stored 1
 times larger: the same trajectory, squared distances 100 times larger) and at two learning rates, with the measured
 threshold and with an absolute one; a second launch resumes the measured run from a checkpoint. These runs measure
 ``Delta`` after ``calibration_steps`` (``sync_overhead=None``), which replays exactly. The timed choice of the period
-(``sync_overhead`` a number) is tested at the two ends, where the timings cannot change the outcome: an overhead no
-synchronization can meet takes ``calibration_steps``, one every synchronization meets takes ``check_every``.
+(``sync_overhead`` a number: probes of the network) is tested at the two ends, where the timings cannot change the
+outcome: an overhead no synchronization can meet takes ``calibration_steps``, one every synchronization meets takes
+``check_every``.
 """
 
 import pytest
@@ -44,9 +45,10 @@ def fits(tmp_path_factory):
         _run("timed_dear", {**TIMED, "sync_overhead": NO_SYNC_IS_THAT_CHEAP}),
         _run("timed_cheap", {**TIMED, "sync_overhead": EVERY_SYNC_IS_THAT_CHEAP}),
         _run("measured_at_check_every", {**CALIBRATION, "calibration_steps": TIMED["check_every"]}),
-        # Calibrating past the first epoch's checkpoint (23 steps): the drifts noted before it must survive.
-        _run("timed_across_checkpoint", {**TIMED, "calibration_steps": 30, "sync_overhead": EVERY_SYNC_IS_THAT_CHEAP},
+        # The period (30) chosen at step 5, before the first epoch's checkpoint (23 steps), must survive it.
+        _run("timed_across_checkpoint", {**TIMED, "calibration_steps": 30, "sync_overhead": NO_SYNC_IS_THAT_CHEAP},
              checkpoint_dir=str(root / "timed_checkpoints")),
+        _run("measured_at_30", {**CALIBRATION, "calibration_steps": 30}),
     ]
     run_ranks(2, "fit", {"trainer": {"max_epochs": EPOCHS}, "runs": runs}, root / "full", timeout=480)
     results = {run["name"]: load_results(root / "full" / run["name"], 2) for run in runs}
@@ -54,7 +56,7 @@ def fits(tmp_path_factory):
     timed_checkpoint = next((root / "timed_checkpoints").glob("epoch=0-*.ckpt"))
     resume = [
         _run("resumed", CALIBRATION, ckpt_path=str(checkpoint)),
-        _run("timed_resumed", {**TIMED, "calibration_steps": 30, "sync_overhead": EVERY_SYNC_IS_THAT_CHEAP},
+        _run("timed_resumed", {**TIMED, "calibration_steps": 30, "sync_overhead": NO_SYNC_IS_THAT_CHEAP},
              ckpt_path=str(timed_checkpoint)),
     ]
     run_ranks(2, "fit", {"trainer": {"max_epochs": EPOCHS}, "runs": resume}, root / "resumed", timeout=480)
@@ -140,6 +142,14 @@ def test_a_synchronization_dearer_than_any_period_allows_takes_the_drift_after_c
     assert dear["dynamic/calibration_period"] == TIMED["calibration_steps"]
     assert replayed["dynamic/calibration_period"] == CALIBRATION["calibration_steps"]
     assert dear["dynamic/divergence_threshold"] == replayed["dynamic/divergence_threshold"]
+    # The same schedule; the timed calibration sends more only in its probes and the all-gather of the times: with
+    # 2 ranks an all-reduce records its tensor's bytes per rank (two of 8 bytes, one of an eighth of the float32
+    # model), an all-gather the 24 bytes sent to the other rank (the simulator's byte model,
+    # tests/sim/test_dynamic_threshold.py).
+    assert _syncs(results["timed_dear"][0]) == _syncs(results["measured"][0])
+    for timed, replayable in zip(results["timed_dear"], results["measured"]):
+        probe = timed["vector"].numel() // 8 * 4
+        assert timed["local_comm"].protocol_bytes - replayable["local_comm"].protocol_bytes == 2 * 8 + probe + 24
 
 
 def test_a_synchronization_cheaper_than_any_period_takes_the_drift_after_check_every(fits):
@@ -156,14 +166,17 @@ def test_a_synchronization_cheaper_than_any_period_takes_the_drift_after_check_e
     assert _syncs(results["timed_cheap"][0]) > _syncs(results["measured"][0])
 
 
-def test_drifts_noted_before_a_checkpoint_set_the_threshold_after_the_resume(fits):
-    """Checkpointed at step 23 of a calibration that ends at step 30: the resumed run's Delta is the drift after 5
-    steps, noted before the checkpoint, and it ends where the uninterrupted run ends."""
+def test_a_period_chosen_before_a_checkpoint_is_kept_after_the_resume(fits):
+    """The period (30, the longest) is chosen at step 5; checkpointed at step 23, the resumed run does not probe
+    again: it measures Delta after 30 steps as the uninterrupted run did (= the replayable rule's), sent the same
+    bytes and ends where that run ends."""
     results, _ = fits
     uninterrupted, resumed = results["timed_across_checkpoint"], results["timed_resumed"]
-    assert uninterrupted[0]["metrics"]["dynamic/calibration_period"] == TIMED["check_every"]
+    assert uninterrupted[0]["metrics"]["dynamic/calibration_period"] == 30
     assert (resumed[0]["metrics"]["dynamic/divergence_threshold"]
             == uninterrupted[0]["metrics"]["dynamic/divergence_threshold"]
-            == results["measured_at_check_every"][0]["metrics"]["dynamic/divergence_threshold"])
+            == results["measured_at_30"][0]["metrics"]["dynamic/divergence_threshold"])
     for after_resume, straight in zip(resumed, uninterrupted):
         assert torch.equal(after_resume["vector"], straight["vector"])
+        assert after_resume["metrics"] == straight["metrics"]
+        assert after_resume["local_comm"].protocol_bytes == straight["local_comm"].protocol_bytes

@@ -40,16 +40,12 @@ and sends every reporter the mean and ``Delta`` (8 bytes more), a full synchroni
 ``topology="strategy"`` (below) the calibration check is the check's 8-byte all-gather, from which
 every worker computes the same ``Delta``, then the all-reduce of a full synchronisation (the path of
 one the violation counter forces), with no balancing at that check. ``threshold`` holds the ``Delta``
-in use (None until measured), and :meth:`DynamicAveraging.metrics` reports it once known.
-
-That is the rule with ``sync_overhead=None``. With ``sync_overhead`` set (default 0.25) ``Delta`` is the mean
-drift over the shortest period whose full synchronisation costs at most that share of its computing, from
-what each worker noted and timed (:mod:`lightning_dist.sim.protocols.dynamic_calibration`); its report grows by
-those numbers. ``topology="strategy"``: the report's all-gather, the all-reduce, timed by every worker, then an
-8-byte all-gather of those times. Coordinator: the mean goes out with the time the last report left (the
-synchronisation's start, the moment the strategy's all-gather releases the ranks); each worker sends back how
-long it took (8 bytes) and waits for ``Delta`` (8 bytes), a second round the coordinator waits for from the
-reporters still present, joiners admitted after it.
+in use (None until measured), and :meth:`DynamicAveraging.metrics` reports it once known. That is the
+rule with ``sync_overhead=None``. With ``sync_overhead`` set (default 0.25) the calibration check comes
+after the period each worker chooses from probes of the network and its step time
+(:mod:`lightning_dist.sim.protocols.dynamic_calibration`), not after ``calibration_steps``: the shortest
+multiple of ``check_every``, at most ``calibration_steps``, over which a synchronisation costs at most
+that share of the computing, as the strategy chooses it.
 
 ``topology="strategy"`` instead moves what :class:`~lightning_dist.strategies.DynamicAveragingStrategy`
 moves, with no coordinator node; every worker meets the others at every check:
@@ -113,6 +109,7 @@ from lightning_dist.algorithms.arguments import (
 from lightning_dist.algorithms.averaging import (
     accumulation_dtype,
     balancing_rounds,
+    calibrated_threshold,
     local_condition_holds,
     squared_distance,
     weighted_average,
@@ -120,7 +117,7 @@ from lightning_dist.algorithms.averaging import (
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
-from lightning_dist.sim.protocols.dynamic_calibration import Calibration
+from lightning_dist.sim.protocols.dynamic_calibration import PROBE, Calibration, echo
 from lightning_dist.sim.protocols.membership import JOIN, LEFT, Membership, request_admission
 from lightning_dist.sim.protocols.subset_average import SubsetAverage
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
@@ -129,9 +126,7 @@ _MODEL = "model"  # worker -> coordinator: (model, violated): a violation report
 _REQUEST = "request"  # coordinator -> worker: send your model (payload: the balancing's number)
 _BALANCED = "balanced"  # coordinator -> member: (balancing number, mean, full synchronisation)
 _DRIFT = "drift"  # worker -> coordinator: (model, ||f_i - r||^2): a calibration report
-_CALIBRATED = "calibrated"  # coordinator -> reporter: (mean, Delta or the time the sync began): the calibration's sync
-_SYNC_SECONDS = "sync_seconds"  # reporter -> coordinator: how long the calibration's synchronisation took it
-_THRESHOLD = "threshold"  # coordinator -> reporter: the measured Delta (with sync_overhead set)
+_CALIBRATED = "calibrated"  # coordinator -> reporter: (mean, Delta): the calibration's full synchronisation
 _FLOAT_BYTES = 8  # a float64 on the wire: a drift, or the measured Delta
 
 
@@ -142,9 +137,9 @@ class DynamicAveraging(Protocol):
     check_every: ``b >= 1``, steps between local-condition checks; default 10.
     calibration_steps: with ``divergence_threshold=None``, the longest period whose drift can set ``Delta``, a
         multiple of ``check_every``; default 100, the strategy's. Not used when ``divergence_threshold`` is set.
-    sync_overhead: with ``divergence_threshold=None``, the largest share of computing time the calibration's full
-        synchronisation may cost at the period whose drift becomes ``Delta`` (virtual seconds, module docstring);
-        None takes ``calibration_steps``. Default 0.25, the strategy's.
+    sync_overhead: with ``divergence_threshold=None``, the largest share of the computing a synchronisation may
+        cost over the period whose drift becomes ``Delta``; None takes ``calibration_steps``. Default 0.25, the
+        strategy's.
     seed: seeds the augmentation of the balancing set.
     topology: ``"server"`` (a coordinator node, Algorithm 1 event by event) or ``"strategy"`` (the
         strategy's all-gathered distances, and balancing by a reduce into the members' chunks).
@@ -196,7 +191,11 @@ class DynamicAveraging(Protocol):
         # The Delta each worker checks with: a measured one only once the calibration's result reached it.
         self._thresholds = [self.divergence_threshold] * simulation.num_workers
         self.calibration_period = None
-        self.calibration = Calibration(self.check_every, self.calibration_steps, self.sync_overhead, simulation.num_workers)
+        model = initial.get()  # a full synchronisation's bytes: the all-reduce's (in the accumulation dtype), or a model
+        model_bytes = model.nbytes if self.topology == "server" else self._accumulated_bytes(model)
+        self.calibration = Calibration(
+            self.check_every, self.calibration_steps, self.sync_overhead, simulation.num_workers, model_bytes
+        )
         self.membership = Membership(simulation.present_workers())
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.violation_counter = 0
@@ -211,7 +210,8 @@ class DynamicAveraging(Protocol):
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
         if self._thresholds[rank] is None:
-            self.calibration.note(rank, step, node.now, lambda: self._drift(rank))
+            server = self.simulation.server if self.topology == "server" else None
+            yield from self.calibration.step(node, rank, step, list(range(self.simulation.num_workers)), server)
         if self.topology == "strategy":
             if step % self.check_every == 0 and not self._calibrating(rank, step):
                 yield from self._check_as_strategy(node, rank, step)
@@ -234,8 +234,9 @@ class DynamicAveraging(Protocol):
         """After its last step a worker still answers requests: its model stays part of the average. One without
         ``Delta`` past ``calibration_steps`` (back after its report was lost) first reports: the calibration
         waits for it."""
-        if self._thresholds[rank] is None and self.simulation.positions[rank] >= self.calibration_steps:
-            yield from self._report_drift(node, rank, self.simulation.positions[rank])
+        position = self.simulation.positions[rank]
+        if self._thresholds[rank] is None and not self.calibration.trains_alone(rank, position):
+            yield from self._report_drift(node, rank, position)
         while True:
             request = yield node.recv(source=self.simulation.server, tag=_REQUEST)
             if request.payload > self._answered[rank]:
@@ -248,29 +249,21 @@ class DynamicAveraging(Protocol):
         """Start from the reference model (also as the worker's reference) and with ``Delta`` once measured, going
         on from the worker's own step."""
         model, self._thresholds[rank] = yield from request_admission(node, self.simulation.server)
-        self.calibration.restart(rank)
+        if self._thresholds[rank] is None:
+            self.calibration.restart(rank)
         self.simulation.replicas[rank].set(model)
         self.references[rank] = self._parameters(model).clone()
         return self.simulation.positions[rank]
 
-    def _drift(self, rank: int) -> float:
-        """Worker ``rank``'s ``||f_i - r||^2``."""
-        return squared_distance(self._parameters(self.simulation.replicas[rank].get()), self.references[rank])
-
-    def _measure(self, reports: list[tuple[float, ...]], sync_seconds: list[float]) -> float:
-        """Set ``Delta`` (and the period) from the workers' calibration reports and synchronisation times."""
-        self.threshold, self.calibration_period = self.calibration.measure(reports, sync_seconds)
-        return self.threshold
-
     def _calibrating(self, rank: int, step: int) -> bool:
         """Whether worker ``rank`` still trains alone at ``step``: it has no ``Delta`` yet (one to be measured) and
-        ``step`` comes before ``calibration_steps``."""
-        return self._thresholds[rank] is None and step < self.calibration_steps
+        ``step`` comes before its calibration check (after ``calibration_steps``, or the period it chose)."""
+        return self._thresholds[rank] is None and self.calibration.trains_alone(rank, step)
 
     def _check_number(self, step: int) -> int:
         """The checks made up to the one at ``step``: from ``check_every`` on, or from ``calibration_steps`` on
         when ``Delta`` is measured (the calibration check included, as the strategy counts them)."""
-        first = self.check_every if self.divergence_threshold is not None else self.calibration_steps
+        first = self.check_every if self.divergence_threshold is not None else self.calibration.period
         return (step - first) // self.check_every + 1
 
     def _pending_request(self, node: Node, rank: int) -> bool:
@@ -292,23 +285,15 @@ class DynamicAveraging(Protocol):
         self._take(rank, mean, full_sync)
 
     def _report_drift(self, node: Node, rank: int, step: int) -> Program:
-        """The calibration check: send the coordinator this worker's model and its report (``||f_i - r||^2``; with
-        ``sync_overhead`` set also its earlier drifts and step time), wait, and take the mean (a full
-        synchronisation) and the measured ``Delta``. With ``sync_overhead`` set the mean comes with the time the
-        synchronisation began (when the last report left); the worker returns how long it took and waits for
-        ``Delta``."""
+        """The calibration check: send the coordinator this worker's model and ``||f_i - r||^2``, wait, and take the
+        mean (a full synchronisation) and the measured ``Delta``."""
         self.counts["checks"] = max(self.counts["checks"], self._check_number(step))
         model = self.simulation.replicas[rank].get()
-        report = self.calibration.report(rank, step, node.now, self._drift(rank))
-        server = self.simulation.server
-        node.send(server, (model, report), tag=_DRIFT, nbytes=model.nbytes + _FLOAT_BYTES * len(report))
-        message = yield node.recv(source=server, tag=_CALIBRATED)
-        mean, threshold = message.payload
+        drift = squared_distance(self._parameters(model), self.references[rank])
+        node.send(self.simulation.server, (model, drift), tag=_DRIFT, nbytes=model.nbytes + _FLOAT_BYTES)
+        message = yield node.recv(source=self.simulation.server, tag=_CALIBRATED)
+        mean, self._thresholds[rank] = message.payload
         self._take(rank, mean, full_sync=True)
-        if self.calibration.timed:
-            node.send(server, node.now - threshold, tag=_SYNC_SECONDS, nbytes=_FLOAT_BYTES)
-            threshold = (yield node.recv(source=server, tag=_THRESHOLD)).payload
-        self._thresholds[rank] = threshold
 
     def _take(self, rank: int, mean: Tensor, full_sync: bool) -> None:
         """Member ``rank`` replaces its model by the balanced ``mean``; a full synchronisation also makes it
@@ -324,14 +309,18 @@ class DynamicAveraging(Protocol):
         workers = list(range(self.simulation.num_workers))
         local = self.simulation.replicas[rank].get()
         distance = squared_distance(self._parameters(local), self.references[rank])
-        threshold = self._thresholds[rank]
-        if threshold is None:  # the calibration check
-            yield from self._calibrate_as_strategy(node, rank, step, workers, local, distance)
-            return
         distances = yield from node.all_gather(("distance", check), workers, distance, nbytes=8)
-        self._raise_for_non_finite(distances)
+        non_finite = [worker for worker, value in enumerate(distances) if not math.isfinite(value)]
+        if non_finite:
+            raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
         if rank == 0:
             self.counts["checks"] = self._check_number(step)
+        threshold = self._thresholds[rank]
+        if threshold is None:  # the calibration check: every worker measures the same Delta from the same drifts
+            self.calibration_period = self.calibration.period
+            self._thresholds[rank] = self.threshold = calibrated_threshold(distances, self.calibration_period)
+            yield from self._full_sync_as_strategy(node, rank, workers, local, check)
+            return
         violators = [worker for worker, value in enumerate(distances) if value > threshold]
         if rank == 0:
             self.counts["violations"] += len(violators)
@@ -359,40 +348,20 @@ class DynamicAveraging(Protocol):
         if mean is not None:
             self._take(rank, mean, full_sync=False)
 
-    def _calibrate_as_strategy(
-        self, node: Node, rank: int, step: int, workers: list[int], local: Tensor, distance: float
-    ) -> Program:
-        """The calibration check as the strategy runs it: one all-gather of every worker's report (8 bytes a
-        number), the full synchronisation, with ``sync_overhead`` set timed and its time all-gathered; every worker
-        then measures the same ``Delta``."""
-        check = step // self.check_every
-        report = self.calibration.report(rank, step, node.now, distance)
-        reports = yield from node.all_gather(("distance", check), workers, report, nbytes=8 * len(report))
-        self._raise_for_non_finite([report[-2 if self.calibration.timed else 0] for report in reports])
-        if rank == 0:
-            self.counts["checks"] = self._check_number(step)
-        started = node.now
-        yield from self._full_sync_as_strategy(node, rank, workers, local, check)
-        sync_seconds: list[float] = []
-        if self.calibration.timed:
-            sync_seconds = yield from node.all_gather(("sync_seconds", check), workers, node.now - started, nbytes=8)
-        self._thresholds[rank] = self._measure(reports, sync_seconds)
-
-    @staticmethod
-    def _raise_for_non_finite(distances: list[float]) -> None:
-        non_finite = [worker for worker, value in enumerate(distances) if not math.isfinite(value)]
-        if non_finite:
-            raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
-
     def _full_sync_as_strategy(self, node: Node, rank: int, workers: list[int], local: Tensor, check: int) -> Program:
         """A full synchronisation as the strategy runs it: one ring all-reduce of every model (in the accumulation
         dtype), DiLoCo's outer step from the mean if any; the result is every worker's model and reference."""
         if rank == 0:
             self.counts["full_syncs"] += 1
-        nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
+        nbytes = self._accumulated_bytes(local)
         combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
         mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
         self._take(rank, mean, full_sync=True)
+
+    @staticmethod
+    def _accumulated_bytes(model: Tensor) -> int:
+        """The bytes of ``model`` summed in its accumulation dtype: what the all-reduce moves."""
+        return model.numel() * model.new_empty(0, dtype=accumulation_dtype(model.dtype)).element_size()
 
     def _mean_within(
         self, node: Node, workers: list[int], balancing: SubsetAverage, rank: int, key: tuple[int, int]
@@ -430,36 +399,28 @@ class DynamicAveraging(Protocol):
     def _calibrate(self, node: Node) -> Program:
         """Measure ``Delta`` from the calibration reports of every worker present, then the first full
         synchronisation (module docstring: the threshold, and churn before it is measured)."""
-        reports: dict[int, tuple[Tensor, tuple[float, ...]]] = {}  # rank -> (model, calibration report)
-        sent_at: dict[int, float] = {}
+        reports: dict[int, tuple[Tensor, float]] = {}  # rank -> (model, drift)
         while not reports or not self.membership.members <= reports.keys():
-            message = yield node.recv_any((_DRIFT, JOIN, LEFT))
+            message = yield node.recv_any((_DRIFT, PROBE, JOIN, LEFT))
+            if message.tag == PROBE:  # a worker probing the network before it chooses its period
+                echo(node, message)
+                continue
             if message.tag == _DRIFT:
                 check_finite(message.payload[0], message.source)
-                reports[message.source], sent_at[message.source] = message.payload, message.sent_at
+                reports[message.source] = message.payload
             else:
                 self.membership.handle(message)
             reports = {rank: report for rank, report in reports.items() if rank in self.membership.members}
             if not reports:  # no calibration under way: a joiner starts at once, from the initial model
                 self._admit(node)
         ranks = sorted(reports)
-        began = max(sent_at[rank] for rank in ranks)  # the synchronisation begins once the last report has left
+        self.calibration_period = self.calibration.period
+        self.threshold = calibrated_threshold([reports[rank][1] for rank in ranks], self.calibration_period)
         mean = yield from node.execute(weighted_average, [reports[rank][0] for rank in ranks], kind="aggregate")
         mean = self._synchronised(mean)
-        timed = self.calibration.timed
-        if not timed:
-            self._measure([reports[rank][1] for rank in ranks], [])
         for rank in ranks:
             if rank in self.membership.members:  # not one that left during the aggregation
-                payload = (mean, began if timed else self.threshold)
-                node.send(rank, payload, tag=_CALIBRATED, nbytes=mean.nbytes + _FLOAT_BYTES)
-        if timed:
-            # How long the synchronisation took each reporter still present (joiners wait for Delta).
-            sync_seconds = yield from self.membership.collect(node, _SYNC_SECONDS, ranks)
-            self._measure([reports[rank][1] for rank in ranks], list(sync_seconds.values()))
-            for rank in sync_seconds:
-                if rank in self.membership.members:
-                    node.send(rank, self.threshold, tag=_THRESHOLD, nbytes=_FLOAT_BYTES)
+                node.send(rank, (mean, self.threshold), tag=_CALIBRATED, nbytes=mean.nbytes + _FLOAT_BYTES)
         self._admit(node)
 
     def _admit(self, node: Node) -> None:
@@ -559,7 +520,7 @@ class DynamicAveraging(Protocol):
 
     def metrics(self) -> dict[str, float]:
         threshold = {} if self.threshold is None else {"dynamic/divergence_threshold": self.threshold}
-        if self.calibration_period is not None:
+        if self.divergence_threshold is None and self.calibration_period is not None:
             threshold["dynamic/calibration_period"] = self.calibration_period
         outer = {} if self.outer is None else self.outer.metrics()
         return {**{f"dynamic/{key}": float(value) for key, value in self.counts.items()}, **threshold, **outer}

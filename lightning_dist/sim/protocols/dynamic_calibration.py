@@ -1,68 +1,99 @@
-"""What the simulator's dynamic-averaging workers measure while ``Delta`` is still to be measured.
+"""How the simulator's dynamic-averaging workers choose the period whose drift becomes ``Delta``.
 
-With ``divergence_threshold=None``, :class:`~lightning_dist.sim.protocols.dynamic.DynamicAveraging` measures
-``Delta`` as :class:`~lightning_dist.strategies.DynamicAveragingStrategy` does, in virtual seconds where the
-strategy uses wall seconds. Each worker notes the virtual time of its first step and, with ``sync_overhead``
-set, its ``||f_i - r||^2`` at every check before ``calibration_steps`` (no message). Its calibration report is
-its drift, and with ``sync_overhead`` set also those earlier drifts (first) and its mean step time (last), 8
-bytes each on the wire. From every worker's report and the calibration synchronisation's time,
-:meth:`Calibration.measure` computes ``Delta`` and the period whose drift it is
-(:func:`~lightning_dist.algorithms.averaging.measured_threshold`; with ``sync_overhead=None``,
-:func:`~lightning_dist.algorithms.averaging.calibrated_threshold` of the drifts after ``calibration_steps``).
-A worker that joined during the calibration has no drift at the checks before it joined (NaN in its
-report); ``Delta`` is the mean over the workers that do.
+With ``divergence_threshold=None`` and ``sync_overhead`` set,
+:class:`~lightning_dist.sim.protocols.dynamic.DynamicAveraging` chooses the period as
+:class:`~lightning_dist.strategies.DynamicAveragingStrategy` does, in virtual seconds where the strategy uses
+wall seconds. After its first step a worker times two probes, of 8 bytes and of ``1 / SYNC_PROBE_PARTS`` of
+a full synchronisation's bytes, each the way that topology synchronises: ``topology="strategy"``, ring
+all-reduces among all workers (after an untimed 8-byte one that lines them up); with the coordinator, the
+probe goes to the coordinator and comes back (a synchronisation's upload and download). At its first check it
+takes :func:`~lightning_dist.algorithms.averaging.probed_period` of the probe times and its mean step time
+since probing. ``topology="strategy"``: every worker first all-gathers its three times (24 bytes), so all take
+the same period, as the strategy's ranks do. With the coordinator each worker takes its own (they report at
+their own calibration checks, and the coordinator waits for every report anyway); ``calibration_period`` is the
+longest taken. With ``sync_overhead=None`` the period is ``calibration_steps``, with no probe.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Generator
+from typing import Any
 
-from lightning_dist.algorithms.averaging import calibrated_threshold, measured_threshold
+import simpy
+
+from lightning_dist.algorithms.averaging import SYNC_PROBE_PARTS, probed_period
+from lightning_dist.sim.engine import Node
+
+PROBE = "probe"  # worker -> coordinator -> worker: a probe, sent back as it came
+_FLOAT_BYTES = 8
 
 
 class Calibration:
-    """Every worker's notes while ``Delta`` is to be measured (``check_every``, ``calibration_steps`` and
-    ``sync_overhead`` as :class:`~lightning_dist.sim.protocols.dynamic.DynamicAveraging` takes them)."""
+    """Every worker's probe times, clock and period while ``Delta`` is to be measured (``check_every``,
+    ``calibration_steps`` and ``sync_overhead`` as :class:`~lightning_dist.sim.protocols.dynamic.DynamicAveraging`
+    takes them; ``model_bytes``: a full synchronisation's bytes)."""
 
-    def __init__(self, check_every: int, calibration_steps: int, sync_overhead: float | None, workers: int) -> None:
+    def __init__(
+        self, check_every: int, calibration_steps: int, sync_overhead: float | None, workers: int, model_bytes: int
+    ) -> None:
         self.check_every, self.calibration_steps, self.sync_overhead = check_every, calibration_steps, sync_overhead
+        self.probe_bytes = max(model_bytes // SYNC_PROBE_PARTS, 1)
         self.periods = list(range(check_every, calibration_steps + 1, check_every))
-        self._drifts: list[dict[int, float]] = [{} for _ in range(workers)]  # step -> drift at each noted check
-        self._clocks: list[tuple[int, float] | None] = [None] * workers  # (step, virtual time) of the first step
+        untimed = calibration_steps if sync_overhead is None else None
+        self._periods: list[int | None] = [untimed] * workers
+        self._probes = [(math.nan, math.nan)] * workers
+        self._clocks: list[tuple[int, float] | None] = [None] * workers  # (step, virtual time) after probing
 
     @property
-    def timed(self) -> bool:
-        """Whether the period is chosen from the timings (``sync_overhead`` set)."""
-        return self.sync_overhead is not None
-
-    def note(self, rank: int, step: int, now: float, drift: Callable[[], float]) -> None:
-        """After worker ``rank``'s ``step`` at virtual time ``now``: its first step's time, and its drift (computed
-        only when noted) at a check before ``calibration_steps``."""
-        if self._clocks[rank] is None:
-            self._clocks[rank] = (step, now)
-        if self.timed and step % self.check_every == 0 and step < self.calibration_steps:
-            self._drifts[rank][step] = drift()
+    def period(self) -> int | None:
+        """The period Delta is the drift of: the longest any worker took (None until one has)."""
+        taken = [period for period in self._periods if period is not None]
+        return max(taken) if taken else None
 
     def restart(self, rank: int) -> None:
-        """Worker ``rank`` joined: its calibration starts from the model it joins with."""
-        self._drifts[rank], self._clocks[rank] = {}, None
+        """Worker ``rank`` joined without ``Delta``: it probes and chooses again."""
+        self._periods[rank] = self.calibration_steps if self.sync_overhead is None else None
+        self._clocks[rank] = None
 
-    def report(self, rank: int, step: int, now: float, drift: float) -> tuple[float, ...]:
-        """What worker ``rank`` shares at its calibration check (``step``, at virtual time ``now``), ``drift`` its
-        ``||f_i - r||^2`` there (the last period's column, whatever its step)."""
-        if not self.timed:
-            return (drift,)
-        first_step, started = self._clocks[rank] or (step, math.nan)
-        step_seconds = (now - started) / (step - first_step) if step > first_step else math.nan
-        noted = self._drifts[rank]
-        return (*(noted.get(check, math.nan) for check in self.periods[:-1]), drift, step_seconds)
+    def trains_alone(self, rank: int, step: int) -> bool:
+        """Whether worker ``rank`` at ``step`` is before its calibration check (or has no period yet)."""
+        period = self._periods[rank]
+        return period is None or step < period
 
-    def measure(self, reports: Sequence[Sequence[float]], sync_seconds: Sequence[float]) -> tuple[float, int]:
-        """``(Delta, period)`` from the workers' reports and how long the calibration's synchronisation took them."""
-        if not self.timed:
-            return calibrated_threshold([report[0] for report in reports], self.calibration_steps), self.calibration_steps
-        return measured_threshold(
-            [report[:-1] for report in reports], self.periods, [report[-1] for report in reports], sync_seconds,
-            self.sync_overhead,
-        )
+    def step(self, node: Node, rank: int, step: int, workers: list[int], server: int | None) -> Generator[Any, Any, None]:
+        """After worker ``rank``'s ``step``: probe after its first one, choose the period at its first check.
+        ``server``: the coordinator's node, or None for ``topology="strategy"`` (``workers``: all workers)."""
+        if self._clocks[rank] is None:
+            if self._periods[rank] is None:
+                self._probes[rank] = yield from self._probe(node, workers, server)
+            self._clocks[rank] = (step, node.now)
+        if step % self.check_every or self._periods[rank] is not None:
+            return
+        first_step, started = self._clocks[rank]
+        step_seconds = (node.now - started) / (step - first_step) if step > first_step else math.nan
+        rows = [(*self._probes[rank], step_seconds)]
+        if server is None:
+            rows = yield from node.all_gather(("calibration", step), workers, rows[0], nbytes=3 * _FLOAT_BYTES)
+        latency, probe, steps = ([row[column] for row in rows] for column in range(3))
+        assert self.sync_overhead is not None
+        self._periods[rank] = probed_period(self.periods, steps, latency, probe, self.sync_overhead)
+
+    def _probe(self, node: Node, workers: list[int], server: int | None) -> Generator[Any, Any, tuple[float, float]]:
+        times = []
+        if server is None:
+            yield from node.all_reduce(("probe", 0), workers, 0.0, sum, nbytes=_FLOAT_BYTES)
+        for index, nbytes in enumerate((_FLOAT_BYTES, self.probe_bytes), start=1):
+            started = node.now
+            if server is None:
+                yield from node.all_reduce(("probe", index), workers, 0.0, sum, nbytes=nbytes)
+            else:
+                node.send(server, nbytes, tag=PROBE, nbytes=nbytes)
+                yield node.recv(source=server, tag=PROBE)
+            times.append(node.now - started)
+        return times[0], times[1]
+
+
+def echo(node: Node, message: Any) -> simpy.Event:
+    """The coordinator sends a worker's probe back as it came."""
+    return node.send(message.source, message.payload, tag=PROBE, nbytes=message.payload)
