@@ -233,7 +233,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             group = [run for run in runs if run["name"] == name and run["node_mbit"] == mbit]
             if not group:
                 continue
-            reached = [hit["seconds"] for run in group if (hit := first_reach(run["curve"], target))]
+            hits = [hit for run in group if (hit := first_reach(run["curve"], target))]
+            reached = [hit["seconds"] for hit in hits]
             row = {"name": name, "label": group[0]["label"], "node_mbit": mbit, "seeds": [run["seed"] for run in group],
                    "reached": len(reached), "time_to_target_s": statistics.fmean(reached) if reached else None,
                    "time_to_target_s_each": [(hit or {}).get("seconds") for run in group
@@ -244,7 +245,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                    "step_s": statistics.fmean(mean_step_s(run) for run in group),
                    "protocol_bytes": (statistics.fmean(run["protocol_bytes"] for run in group)
                                       if "protocol_bytes" in group[0] else None),
-                   "wire_bytes": statistics.fmean(run["curve"][-1]["wire_bytes"] for run in group)}
+                   "wire_bytes": statistics.fmean(run["curve"][-1]["wire_bytes"] for run in group),
+                   # Every byte on the wire (setup included) by the evaluation that first reached the target.
+                   "wire_bytes_to_target": statistics.fmean(hit["wire_bytes"] for hit in hits) if hits else None}
             if name == "ddp":
                 projections = []
                 for run in group:
@@ -270,8 +273,8 @@ def fmt_s(value: float | None) -> str:
 
 def table(summary: dict[str, Any]) -> str:
     header = ("| Mbit/s | method | seeds reaching | s to target | DDP s to target | speed-up vs DDP | final val loss "
-              "| steps | s/step | protocol MB | wire MB |")
-    lines = [header, "|" + "---|" * 11]
+              "| steps | s/step | protocol MB | wire MB | wire MB to target |")
+    lines = [header, "|" + "---|" * 12]
     for row in summary["rows"]:
         ddp_s = fmt_s(row["ddp_time_to_target_s"]) + (" proj" if row["ddp_time_is_projected"] else "")
         speedup = "-" if row["speedup_vs_ddp"] is None else f"{row['speedup_vs_ddp']:.2f}x"
@@ -279,7 +282,8 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {row['node_mbit']:g} | {row['name']} | {row['reached']}/{len(row['seeds'])} | {fmt_s(row['time_to_target_s'])} "
             f"| {ddp_s} | {speedup} | {row['final_val_loss']:.3f} +- {row['final_val_loss_std']:.3f} | {row['steps']:.0f} "
-            f"| {row['step_s']:.3f} | {protocol} | {row['wire_bytes'] / 1e6:.1f} |")
+            f"| {row['step_s']:.3f} | {protocol} | {row['wire_bytes'] / 1e6:.1f} "
+            f"| {fmt_s(None if row['wire_bytes_to_target'] is None else row['wire_bytes_to_target'] / 1e6)} |")
     return "\n".join(lines)
 
 
