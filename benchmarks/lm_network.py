@@ -412,8 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     launches = sweep(args, runs)
     if args.merge and json_path.exists():
         launches = merged(json.loads(json_path.read_text())["launches"], launches)
+        names = {run["name"] for launch in launches for run in launch.get("runs", [])}
         report["config"].update(bandwidths=sorted({launch["node_mbit"] for launch in launches}, reverse=True),
-                                seeds=sorted({launch["seed"] for launch in launches}))
+                                seeds=sorted({launch["seed"] for launch in launches}),
+                                methods=[run for run in methods(calibration["thresholds"]) if run["name"] in names])
     report["launches"] = launches
     report["config"]["wall_s"] = time.perf_counter() - started
     failed = any("error" in launch for launch in report["launches"])
