@@ -88,9 +88,9 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             The longest period whose drift can become ``Delta``. Default 100.
         sync_overhead: with ``divergence_threshold=None``, the largest share of computing time a full
             synchronization may cost at the period whose drift becomes ``Delta``; None takes
-            ``calibration_steps``. Default 0.25: on the package's language model it picks the drift of
-            about 20 steps at 100 Mbit/s and of 80-100 at 20 Mbit/s, the best thresholds tried there
-            (README, "Dynamic averaging's threshold").
+            ``calibration_steps``. Default 0.25: on the package's language model it took the drift of 20
+            steps at 100 Mbit/s and of 70-100 at 20 Mbit/s, and 30-40 steps (Delta 2-6) on a digits MLP,
+            each near the best threshold a sweep found there (README, "Results").
         seed: seeds the random augmentation of the balancing set (the same on every rank).
         outer_optimizer: None (default): a full synchronization hands out the mean. Otherwise the
             outer optimizer applied there, built from a list of tensors, as in
