@@ -116,10 +116,18 @@ def calibration_period(
 
 
 SYNC_PROBE_PARTS = 8
-"""The calibration's probe all-reduces ``1 / SYNC_PROBE_PARTS`` of a full synchronization's bytes."""
+"""The calibration's probe all-reduces ``1 / SYNC_PROBE_PARTS`` of a full synchronization's bytes ..."""
+SYNC_PROBE_MAX_BYTES = 64 << 20
+"""... and at most this many: the probe is a temporary buffer on the device, next to a large model."""
 
 
-def estimated_sync_seconds(latency_seconds: float, probe_seconds: float, parts: int = SYNC_PROBE_PARTS) -> float:
+def sync_probe_bytes(sync_bytes: int) -> int:
+    """The probe's size for a full synchronization of ``sync_bytes`` (:data:`SYNC_PROBE_PARTS`, at most
+    :data:`SYNC_PROBE_MAX_BYTES`, at least one byte)."""
+    return max(min(sync_bytes // SYNC_PROBE_PARTS, SYNC_PROBE_MAX_BYTES), 1)
+
+
+def estimated_sync_seconds(latency_seconds: float, probe_seconds: float, parts: float = SYNC_PROBE_PARTS) -> float:
     """A full synchronization's time from two probes: an all-reduce of 8 bytes (``latency_seconds``) and one of
     ``1 / parts`` of the model's bytes (``probe_seconds``).
 
@@ -136,8 +144,10 @@ def probed_period(
     latency_seconds: Sequence[float],
     probe_seconds: Sequence[float],
     sync_overhead: float,
+    parts: float = SYNC_PROBE_PARTS,
 ) -> int:
-    """:func:`calibration_period` from every replica's mean step time and probe times (:func:`estimated_sync_seconds`).
+    """:func:`calibration_period` from every replica's mean step time and probe times (:func:`estimated_sync_seconds`;
+    ``parts``: the full synchronization's bytes over the probe's).
 
     Step times are averaged; each probe's time is the fastest replica's, the one that arrived last and waited for
     nobody (the others' times include waiting for it). Non-finite times are left out.
@@ -149,7 +159,7 @@ def probed_period(
     steps, latencies, probes = finite(step_seconds), finite(latency_seconds), finite(probe_seconds)
     if not (steps and latencies and probes):
         return periods[-1]
-    sync_seconds = estimated_sync_seconds(min(latencies), min(probes))
+    sync_seconds = estimated_sync_seconds(min(latencies), min(probes), parts)
     return calibration_period(periods, math.fsum(steps) / len(steps), sync_seconds, sync_overhead)
 
 

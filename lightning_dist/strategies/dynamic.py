@@ -12,12 +12,12 @@ from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer, check_sync_overhead
 from lightning_dist.algorithms.averaging import (
-    SYNC_PROBE_PARTS,
     accumulation_dtype,
     calibrated_threshold,
     plan_balancing,
     probed_period,
     squared_distance_sum,
+    sync_probe_bytes,
 )
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
@@ -128,6 +128,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         self._calibration_period: int | None = None if sync_overhead is not None else calibration_steps
         self._reference_step = 0
         self._probes = (math.nan, math.nan)
+        self._probe_parts = math.nan  # a full synchronization's bytes over the probe's
         self._clock: tuple[int, float] | None = None
         self._outer: OuterStep | None = None
         self._reference: Tensor | None = None
@@ -205,13 +206,15 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         self._full_sync()
 
     def _probe(self) -> tuple[float, float]:
-        """This rank's times of an 8-byte all-reduce and of one of ``1 / SYNC_PROBE_PARTS`` of a full
-        synchronization's bytes (after an untimed 8-byte one that lines the ranks up). The values read back make
-        the time include an accelerator's work."""
+        """This rank's times of an 8-byte all-reduce and of one of :func:`sync_probe_bytes` of a full
+        synchronization's (after an untimed 8-byte one that lines the ranks up). The values read back make the
+        time include an accelerator's work."""
         vector = self.model_vector.get()
         dtype = accumulation_dtype(vector.dtype)
+        element = torch.empty(0, dtype=dtype).element_size()
+        probe = torch.zeros(sync_probe_bytes(vector.numel() * element) // element or 1, dtype=dtype, device=vector.device)
+        self._probe_parts = vector.numel() / probe.numel()
         small = torch.zeros(1, dtype=torch.float64, device=vector.device)
-        probe = torch.zeros(max(vector.numel() // SYNC_PROBE_PARTS, 1), dtype=dtype, device=vector.device)
         self.comm.all_reduce_sum_(small, "protocol")
         times = []
         for tensor in (small, probe):
@@ -229,12 +232,14 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         periods = list(range(self.check_every, self.calibration_steps + 1, self.check_every))
         latency, probe, steps = ([row[column] for row in rows] for column in range(3))
         assert self.sync_overhead is not None
-        period = probed_period(periods, steps, latency, probe, self.sync_overhead)
+        parts = self._probe_parts
+        period = probed_period(periods, steps, latency, probe, self.sync_overhead, parts)
         rank_zero_info(
-            f"{type(self).__name__}: Delta will be the replicas' drift over {period} local steps, the shortest period "
-            f"(of {periods[0]}-{periods[-1]}) in which a full synchronization (probed: {min(latency):.3g} s for 8 "
-            f"bytes, {min(probe):.3g} s for 1/{SYNC_PROBE_PARTS} of the model) costs at most "
-            f"sync_overhead={self.sync_overhead:g} of the computing ({sum(steps) / len(steps):.3g} s a step)"
+            f"{type(self).__name__}: Delta will be the replicas' drift over {period} local steps: of "
+            f"{periods[0]}-{periods[-1]}, the shortest in which a full synchronization (probed: {min(latency):.3g} s "
+            f"for 8 bytes, {min(probe):.3g} s for 1/{parts:.3g} of the model) costs at most "
+            f"sync_overhead={self.sync_overhead:g} of the computing ({sum(steps) / len(steps):.3g} s a step), "
+            "else the longest"
         )
         return period
 

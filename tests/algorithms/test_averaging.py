@@ -10,6 +10,7 @@ from lightning_dist.algorithms.averaging import (
     calibration_period,
     estimated_sync_seconds,
     probed_period,
+    sync_probe_bytes,
     augment_balancing_set,
     balance_models,
     count_violations,
@@ -94,6 +95,12 @@ def test_estimated_sync_seconds_extends_the_line_through_the_two_probes():
     assert estimated_sync_seconds(0.01, 0.06) == pytest.approx(0.41)
     assert estimated_sync_seconds(0.01, 0.06, parts=4) == pytest.approx(0.21)
     assert estimated_sync_seconds(0.05, 0.04) == 0.04
+
+
+def test_the_probe_is_an_eighth_of_a_synchronization_and_at_most_64_mib():
+    assert sync_probe_bytes(800) == 100
+    assert sync_probe_bytes(4 * 10**9) == 64 << 20  # a billion float32 parameters: 64 MiB, not 500 MB
+    assert sync_probe_bytes(3) == 1
 
 
 def test_probed_period_takes_the_mean_step_and_the_fastest_probes():

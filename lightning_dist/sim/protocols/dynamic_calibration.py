@@ -3,8 +3,8 @@
 With ``divergence_threshold=None`` and ``sync_overhead`` set,
 :class:`~lightning_dist.sim.protocols.dynamic.DynamicAveraging` chooses the period as
 :class:`~lightning_dist.strategies.DynamicAveragingStrategy` does, in virtual seconds where the strategy uses
-wall seconds. After its first step a worker times two probes, of 8 bytes and of ``1 / SYNC_PROBE_PARTS`` of
-a full synchronisation's bytes, each the way that topology synchronises: ``topology="strategy"``, ring
+wall seconds. After its first step a worker times two probes, of 8 bytes and of
+:func:`~lightning_dist.algorithms.averaging.sync_probe_bytes` of a full synchronisation's bytes, each the way that topology synchronises: ``topology="strategy"``, ring
 all-reduces among all workers (after an untimed 8-byte one that lines them up); with the coordinator, the
 probe goes to the coordinator and comes back (a synchronisation's upload and download). At its first check it
 takes :func:`~lightning_dist.algorithms.averaging.probed_period` of the probe times and its mean step time
@@ -22,7 +22,7 @@ from typing import Any
 
 import simpy
 
-from lightning_dist.algorithms.averaging import SYNC_PROBE_PARTS, probed_period
+from lightning_dist.algorithms.averaging import probed_period, sync_probe_bytes
 from lightning_dist.sim.engine import Node
 
 PROBE = "probe"  # worker -> coordinator -> worker: a probe, sent back as it came
@@ -38,7 +38,8 @@ class Calibration:
         self, check_every: int, calibration_steps: int, sync_overhead: float | None, workers: int, model_bytes: int
     ) -> None:
         self.check_every, self.calibration_steps, self.sync_overhead = check_every, calibration_steps, sync_overhead
-        self.probe_bytes = max(model_bytes // SYNC_PROBE_PARTS, 1)
+        self.probe_bytes = sync_probe_bytes(model_bytes)
+        self.parts = model_bytes / self.probe_bytes
         self.periods = list(range(check_every, calibration_steps + 1, check_every))
         untimed = calibration_steps if sync_overhead is None else None
         self._periods: list[int | None] = [untimed] * workers
@@ -77,7 +78,7 @@ class Calibration:
             rows = yield from node.all_gather(("calibration", step), workers, rows[0], nbytes=3 * _FLOAT_BYTES)
         latency, probe, steps = ([row[column] for row in rows] for column in range(3))
         assert self.sync_overhead is not None
-        self._periods[rank] = probed_period(self.periods, steps, latency, probe, self.sync_overhead)
+        self._periods[rank] = probed_period(self.periods, steps, latency, probe, self.sync_overhead, self.parts)
 
     def _probe(self, node: Node, workers: list[int], server: int | None) -> Generator[Any, Any, tuple[float, float]]:
         times = []
