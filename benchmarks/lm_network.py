@@ -14,7 +14,9 @@ receives (``benchmarks/netns.py``; Gloo over TCP), so every byte crosses a slow 
   after 20 and after 100 local steps without averaging, so a threshold means "about as far as 20
   or 100 steps go");
 - ``dynamic_default``: dynamic averaging as ``strategy="dynamic_avg"`` gives it: the threshold measured in
-  the run (the replicas' mean ``||f_i - r||^2`` after their first 100 local steps), no calibration run;
+  the run (the replicas' mean ``||f_i - r||^2`` over the period its probes of the network choose), no
+  calibration run; ``dynamic_overhead10`` the same with ``sync_overhead=0.1`` (a longer period where
+  synchronizing is cheap: fewer bytes);
 - ``segmented_gossip``: paper 002, ``S = 4``, ``R = 2``, every 10 steps;
 - ``downpour``: asynchronous DownpourSGD, a push every 5 steps;
 - ``diloco``: periodic averaging every 50 steps with DiLoCo's outer step (SGD, Nesterov momentum 0.9,
@@ -109,6 +111,9 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
         {"name": "dynamic_default", "kind": "dynamic",
          "label": "dynamic averaging, defaults (Delta measured in the run)",
          "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY)},
+        {"name": "dynamic_overhead10", "kind": "dynamic",
+         "label": "dynamic averaging, defaults but sync_overhead=0.1",
+         "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY, sync_overhead=0.1)},
         {"name": "segmented_gossip", "kind": "gossip", "label": "segmented gossip S=4 R=2, every 10 steps",
          "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=2, period=10)},
         {"name": "downpour", "kind": "downpour", "label": "DownpourSGD async, push every 5 steps",

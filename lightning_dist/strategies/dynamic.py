@@ -50,7 +50,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     flattened parameters); the authors' MNIST scripts used 0.1 to 1.0 for small CNNs, which is orders
     of magnitude off for other models (a 1.3M-parameter transformer drifts by 7 in 10 steps). So by
     default (None) the run measures it. After its first step every rank times two probe
-    all-reduces, of 8 bytes and of an eighth of the model's bytes, which give a full
+    all-reduces, of 8 bytes and of an eighth of the model's bytes (at most 64 MiB), which give a full
     synchronization's time (:func:`~lightning_dist.algorithms.averaging.estimated_sync_seconds`);
     at the first check the ranks share those times and their mean step time (one all-gather) and
     pick the period: the shortest multiple of ``check_every``, at most ``calibration_steps``, over
