@@ -121,6 +121,15 @@ def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace,
         "strategy": {"class": "DynamicAveragingStrategy", "kwargs": {"check_every": args.check_every}},
         "probe": True,
     })
+    # The same with a smaller share of time for synchronizing (a longer period where it is cheap); run on request
+    # (--settings), not in the default sweep.
+    if args.settings and "dynamic_overhead10" in args.settings:
+        settings.append({
+            "setting": "dynamic_overhead10",
+            "strategy": {"class": "DynamicAveragingStrategy",
+                         "kwargs": {"check_every": args.check_every, "sync_overhead": 0.1}},
+            "probe": True,
+        })
     seeds = 1 if args.quick else args.seeds
     return [{**setting, **extra, "name": f"{prefix}{setting['setting']}_s{seed}", "seed": seed}
             for seed in range(seeds) for setting in settings]
