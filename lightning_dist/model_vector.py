@@ -22,6 +22,8 @@ class ModelVector:
         buffers = [buffer for buffer in module.buffers() if buffer.is_floating_point()]
         self._tensors = parameters + buffers
         self._sizes = [tensor.numel() for tensor in self._tensors]
+        self.numel = sum(self._sizes)
+        """The length of :meth:`get`'s vector."""
         self.parameters: list[Tensor] = parameters
         self.buffers: list[Tensor] = buffers
         self.num_parameters = sum(parameter.numel() for parameter in parameters)
@@ -32,7 +34,7 @@ class ModelVector:
         """A new flat copy of the current state, in ``dtype`` when given (cast piece by piece, no full-size temporary)."""
         if dtype is None:
             return torch.cat([tensor.detach().reshape(-1) for tensor in self._tensors])
-        vector = torch.empty(sum(self._sizes), dtype=dtype, device=self._tensors[0].device)
+        vector = torch.empty(self.numel, dtype=dtype, device=self._tensors[0].device)
         for tensor, chunk in zip(self._tensors, vector.split(self._sizes)):
             chunk.copy_(tensor.detach().reshape(-1))
         return vector

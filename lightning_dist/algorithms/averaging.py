@@ -31,6 +31,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def accumulated_nbytes(numel: int, dtype: torch.dtype) -> int:
+    """The bytes of ``numel`` entries summed in :func:`accumulation_dtype` of ``dtype``: what a full
+    synchronization's all-reduce moves."""
+    return numel * torch.empty(0, dtype=accumulation_dtype(dtype)).element_size()
+
+
 def squared_distance_sum(pairs: Iterable[tuple[Tensor, Tensor]], chunk_elements: int = DISTANCE_CHUNK) -> Tensor:
     """``sum_j ||a_j - b_j||^2`` over pairs of equally long tensors, in float64, as a 0-d tensor.
 
@@ -91,6 +97,11 @@ def calibrated_threshold(drifts: Sequence[float], steps: int) -> float:
             f"{steps} local steps, but that was {mean!r} (the parameters did not move): set divergence_threshold"
         )
     return mean
+
+
+def calibration_periods(check_every: int, calibration_steps: int) -> list[int]:
+    """The periods whose drift can become ``Delta``: every check up to ``calibration_steps``."""
+    return list(range(check_every, calibration_steps + 1, check_every))
 
 
 def calibration_period(

@@ -12,8 +12,10 @@ from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer, check_sync_overhead
 from lightning_dist.algorithms.averaging import (
+    accumulated_nbytes,
     accumulation_dtype,
     calibrated_threshold,
+    calibration_periods,
     plan_balancing,
     probed_period,
     squared_distance_sum,
@@ -160,12 +162,17 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         if step % self.check_every != 0:
             return
         self._checks += 1
-        distances = self.comm.all_gather(self._distance().view(1), purpose="protocol").view(-1).tolist()
-        self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
+        distances = self._gather_distances()
         violators = [rank for rank, value in enumerate(distances) if value > self._threshold]
         if violators:
             self._violations += len(violators)
             self._resolve(violators)
+
+    def _gather_distances(self) -> list[float]:
+        """Every rank's ``||f_i - r||^2`` (one all-gather); raises naming the ranks whose distance is not finite."""
+        distances = self.comm.all_gather(self._distance().view(1), purpose="protocol").view(-1).tolist()
+        self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
+        return distances
 
     def _distance(self) -> Tensor:
         """This rank's ``||f_i - r||^2`` as a 0-d float64 tensor on its device, NaN if a float buffer is not finite."""
@@ -196,9 +203,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         if trained_alone < self._calibration_period:
             return
         self._checks += 1
-        distances = self.comm.all_gather(self._distance().view(1), purpose="protocol").view(-1).tolist()
-        self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
-        self._threshold = calibrated_threshold(distances, trained_alone)
+        self._threshold = calibrated_threshold(self._gather_distances(), trained_alone)
         rank_zero_info(
             f"{type(self).__name__}: divergence threshold Delta = {self._threshold:.6g}, the replicas' mean "
             f"||f_i - r||^2 after {trained_alone} local steps; a full synchronization starts the dynamic protocol"
@@ -209,12 +214,13 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         """This rank's times of an 8-byte all-reduce and of one of :func:`sync_probe_bytes` of a full
         synchronization's (after an untimed 8-byte one that lines the ranks up). The values read back make the
         time include an accelerator's work."""
-        vector = self.model_vector.get()
+        vector = self.model_vector  # sizes only: no flat copy of the model
         dtype = accumulation_dtype(vector.dtype)
-        element = torch.empty(0, dtype=dtype).element_size()
-        probe = torch.zeros(sync_probe_bytes(vector.numel() * element) // element or 1, dtype=dtype, device=vector.device)
-        self._probe_parts = vector.numel() / probe.numel()
-        small = torch.zeros(1, dtype=torch.float64, device=vector.device)
+        sync_bytes = accumulated_nbytes(vector.numel, vector.dtype)
+        probe_elements = max(sync_probe_bytes(sync_bytes) // (sync_bytes // vector.numel), 1)
+        probe = torch.zeros(probe_elements, dtype=dtype, device=self.root_device)
+        self._probe_parts = vector.numel / probe_elements
+        small = torch.zeros(1, dtype=torch.float64, device=self.root_device)
         self.comm.all_reduce_sum_(small, "protocol")
         times = []
         for tensor in (small, probe):
@@ -229,7 +235,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         step_seconds = (time.perf_counter() - started) / (step - first_step) if step > first_step else math.nan
         local = torch.tensor([*self._probes, step_seconds], dtype=torch.float64, device=self.root_device)
         rows = self.comm.all_gather(local, purpose="protocol").view(self.comm.world_size, -1).tolist()
-        periods = list(range(self.check_every, self.calibration_steps + 1, self.check_every))
+        periods = calibration_periods(self.check_every, self.calibration_steps)
         latency, probe, steps = ([row[column] for row in rows] for column in range(3))
         assert self.sync_overhead is not None
         parts = self._probe_parts

@@ -107,7 +107,7 @@ from lightning_dist.algorithms.arguments import (
     outer_optimizer_config,
 )
 from lightning_dist.algorithms.averaging import (
-    accumulation_dtype,
+    accumulated_nbytes,
     balancing_rounds,
     calibrated_threshold,
     local_condition_holds,
@@ -191,8 +191,8 @@ class DynamicAveraging(Protocol):
         # The Delta each worker checks with: a measured one only once the calibration's result reached it.
         self._thresholds = [self.divergence_threshold] * simulation.num_workers
         self.calibration_period = None
-        model = initial.get()  # a full synchronisation's bytes: the all-reduce's (in the accumulation dtype), or a model
-        model_bytes = model.nbytes if self.topology == "server" else self._accumulated_bytes(model)
+        model = self.reference_model  # a full synchronisation's bytes: a model to the coordinator, or the all-reduce's
+        model_bytes = model.nbytes if self.topology == "server" else accumulated_nbytes(model.numel(), model.dtype)
         self.calibration = Calibration(
             self.check_every, self.calibration_steps, self.sync_overhead, simulation.num_workers, model_bytes
         )
@@ -353,15 +353,10 @@ class DynamicAveraging(Protocol):
         dtype), DiLoCo's outer step from the mean if any; the result is every worker's model and reference."""
         if rank == 0:
             self.counts["full_syncs"] += 1
-        nbytes = self._accumulated_bytes(local)
+        nbytes = accumulated_nbytes(local.numel(), local.dtype)
         combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
         mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
         self._take(rank, mean, full_sync=True)
-
-    @staticmethod
-    def _accumulated_bytes(model: Tensor) -> int:
-        """The bytes of ``model`` summed in its accumulation dtype: what the all-reduce moves."""
-        return model.numel() * model.new_empty(0, dtype=accumulation_dtype(model.dtype)).element_size()
 
     def _mean_within(
         self, node: Node, workers: list[int], balancing: SubsetAverage, rank: int, key: tuple[int, int]

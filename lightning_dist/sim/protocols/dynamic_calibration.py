@@ -22,7 +22,7 @@ from typing import Any
 
 import simpy
 
-from lightning_dist.algorithms.averaging import probed_period, sync_probe_bytes
+from lightning_dist.algorithms.averaging import calibration_periods, probed_period, sync_probe_bytes
 from lightning_dist.sim.engine import Node
 
 PROBE = "probe"  # worker -> coordinator -> worker: a probe, sent back as it came
@@ -40,7 +40,7 @@ class Calibration:
         self.check_every, self.calibration_steps, self.sync_overhead = check_every, calibration_steps, sync_overhead
         self.probe_bytes = sync_probe_bytes(model_bytes)
         self.parts = model_bytes / self.probe_bytes
-        self.periods = list(range(check_every, calibration_steps + 1, check_every))
+        self.periods = calibration_periods(check_every, calibration_steps)
         untimed = calibration_steps if sync_overhead is None else None
         self._periods: list[int | None] = [untimed] * workers
         self._probes = [(math.nan, math.nan)] * workers

@@ -44,7 +44,7 @@ from lightning_dist.algorithms.arguments import (
     check_steps,
     outer_optimizer_config,
 )
-from lightning_dist.algorithms.averaging import accumulation_dtype, sample_participants, weighted_average
+from lightning_dist.algorithms.averaging import accumulated_nbytes, sample_participants, weighted_average
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
@@ -141,7 +141,7 @@ class PeriodicAveraging(Protocol):
         workers = list(range(self.simulation.num_workers))
         local = self.simulation.replicas[rank].get()
         if len(participants) == len(workers):
-            nbytes = local.numel() * local.new_empty(0, dtype=accumulation_dtype(local.dtype)).element_size()
+            nbytes = accumulated_nbytes(local.numel(), local.dtype)
             combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
             return (yield from node.all_reduce(("average", round_index), workers, local, combine, nbytes=nbytes))
         finite = bool(torch.isfinite(local).all())
