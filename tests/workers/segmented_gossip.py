@@ -4,7 +4,8 @@ For each case of ``spec["cases"]`` (keys ``segments``, ``replicas``, ``seed``, `
 ``|D_j|`` per rank, optional ``nan_rank``) every rank builds a fresh strategy on a module with
 ``dim`` weights and a 3-element float buffer, sets its replica to row ``rank`` of seeded random
 models, shares its dataset size, previews the plan and runs one round exactly as after an optimizer step in
-training. Per-case results go to rank{r}.pt as a list, for comparison with the one-process
+training. With ``consensus`` it takes the consensus (the weighted mean every rank evaluates and checkpoints)
+instead of the round; ``dtype`` (default float32) is the module's, ``identical`` gives every rank row 0. Per-case results go to rank{r}.pt as a list, for comparison with the one-process
 definition. Usage: see tests/helpers/launch.py.
 """
 
@@ -27,10 +28,14 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     strategy = SegmentedGossipStrategy(segments=case["segments"], replicas=case["replicas"], period=1, seed=case["seed"])
     module = nn.Linear(case["dim"], 1, bias=False)
     module.register_buffer("statistic", torch.zeros(BUFFER_SIZE))
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    module.to(dtype)
     strategy._comm = Communicator(dist.new_group(backend="gloo"))
     strategy._vector = ModelVector(module)
     strategy.parallel_devices = [torch.device("cpu")]
     models = torch.randn(world_size, case["dim"] + BUFFER_SIZE, generator=torch.Generator().manual_seed(100 + case["seed"]))
+    models = (models[:1].expand_as(models) if case.get("identical") else models).to(dtype)
+    consensus = None
     error = None
     next_plan = bounds = None
     try:
@@ -41,7 +46,10 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
         strategy.model_vector.set(models[rank])
         if case.get("nan_rank") == rank:
             strategy.model_vector.set(torch.full_like(models[rank], float("nan")))
-        strategy.after_local_step(1)
+        if case.get("consensus"):
+            consensus = strategy.consensus("final")
+        else:
+            strategy.after_local_step(1)
     except Exception as exc:  # reported to the test, which asserts on it
         error = f"{type(exc).__name__}: {exc}"
     return {
@@ -53,6 +61,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
         "in_sync": strategy._replicas_in_sync,
         "bounds": bounds,
         "next_plan": next_plan,
+        "consensus": consensus,
     }
 
 
