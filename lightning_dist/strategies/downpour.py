@@ -206,6 +206,20 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._server = None
         self._client = None
 
+    def on_replicas_averaged(self, vector: Tensor) -> None:
+        """Every replica now holds the server's final model: it is what each rank last pulled.
+
+        Paper 000's update is the local model minus the parameters at the last pull, which the local
+        model started from. Left at the reply to the rank's own last push, a fit resumed from a
+        checkpoint written after this ``fit`` would push ``final - pulled``: every update the other
+        ranks pushed since, a second time. The version comes from the server (8 bytes from rank 0).
+        """
+        version = torch.tensor([self._server.snapshot()[1] if self._server is not None else 0], device=self.root_device)
+        self.comm.broadcast_(version, src=SERVER_RANK, purpose="final")
+        self._pulled = vector.detach().cpu().clone()
+        self._pulled_version = int(version.item())
+        self._steps_since_push = 0
+
     def on_exception(self, exception: BaseException) -> None:
         if self._client is not None:
             self._client.abort()

@@ -47,7 +47,7 @@ def synchronous_run(tmp_path_factory):
 def batchnorm_run(tmp_path_factory):
     """One asynchronous BatchNorm + Adam fit with a checkpoint per epoch, shared by two tests."""
     root = tmp_path_factory.mktemp("batchnorm")
-    return root, _fit(root, "first", checkpoint_dir=str(root / "ckpt"), **BATCHNORM)
+    return root, _fit(root, "first", checkpoint_dir=str(root / "ckpt"), save_after_fit=True, **BATCHNORM)
 
 
 @pytest.mark.parametrize("synchronous", [False, True])
@@ -202,6 +202,20 @@ def test_asynchronous_resume_restores_the_server(batchnorm_run):
     assert resumed[0]["server"]["version"] == sum(result["pushes"] for result in resumed) > server["version"] > 0
     assert all(torch.equal(resumed[0]["vector"], other["vector"]) for other in resumed[1:])
     assert min(resumed[0]["min_running_var"]) > 0 and all(math.isfinite(v) for v in resumed[0]["val_losses"])
+
+
+def test_after_fit_every_rank_last_pulled_the_final_model(batchnorm_run):
+    """At the end of fit every replica takes the server's final model, which is then each rank's last pull (paper
+    000: the next update is the local model minus the parameters at the last pull). A checkpoint written after fit
+    holds that, at the server's version; before, each rank kept the reply to its own last push, and a fit resumed
+    from it pushed every other rank's later updates a second time."""
+    root, _ = batchnorm_run
+    stored = torch.load(root / "first" / "after_fit.ckpt", weights_only=False)["lightning_dist"]
+    server = stored["protocol"]["server"]
+    for rank, replica in enumerate(stored["replicas"]):
+        assert torch.equal(replica["vector"], server["vector"]), rank
+        assert torch.equal(replica["worker"]["pulled"], server["vector"]), rank
+        assert replica["worker"]["pulled_version"] == server["version"] and replica["worker"]["steps_since_push"] == 0
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,8 @@ def main() -> None:
     start = time.perf_counter()
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=spec.get("ckpt_path"))
+        if spec.get("save_after_fit"):  # as a user who goes on training later would
+            trainer.save_checkpoint(out / "after_fit.ckpt")
     except Exception as exc:  # reported to the test, which asserts on it
         error = f"{type(exc).__name__}: {exc}"
     result = {"error": error, "rank": trainer.global_rank, "fit_s": time.perf_counter() - start,
