@@ -5,8 +5,9 @@ A local-update run has one replica per rank, so a checkpoint holds more than Lig
 - ``state_dict`` is the consensus (the average; a parameter server's global model in DownpourSGD),
   so the file loads as one model for inference or fine-tuning;
 - under :data:`CHECKPOINT_KEY`, the protocol state (identical on every rank, saved once) and every
-  rank's part: its replica, optimizer state, communication counters, per-rank protocol state and
-  RNG states. Each rank pickles its part on the host and sends it to rank 0, which writes the file.
+  rank's part: its replica, optimizer state, the precision plugin's state (the loss scaler of
+  ``precision="16-mixed"``: with no gradient all-reduce tying them, each rank's scale follows its
+  own gradients), communication counters, per-rank protocol state and RNG states. Each rank pickles its part on the host and sends it to rank 0, which writes the file.
 
 Resumed by as many processes as wrote it, every rank continues from its own part, bit for bit;
 resumed by another number, the rule of :mod:`lightning_dist.strategies._resize` applies.
@@ -91,6 +92,7 @@ class ReplicaCheckpoints:
         return {
             "vector": (self._evaluation_stash if self._evaluation_stash is not None else self.model_vector.get()).cpu(),
             "optimizers": [apply_to_collection(optimizer.state_dict(), Tensor, Tensor.cpu) for optimizer in self.optimizers],
+            "precision": apply_to_collection(self.precision_plugin.state_dict(), Tensor, Tensor.cpu),
             "comm": self.comm.stats.state_dict(),
             "worker": apply_to_collection(self.worker_state_dict(), Tensor, Tensor.cpu),
             "torch_rng": torch.get_rng_state(),
@@ -153,3 +155,7 @@ class ReplicaCheckpoints:
         for optimizer, optimizer_state in zip(self.optimizers, replica["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
             _optimizer_to_device(optimizer, self.root_device)
+        # Lightning restored rank 0's precision state on every rank just before (restore_training_state);
+        # this rank's own replaces it.
+        if "precision" in replica:
+            self.precision_plugin.load_state_dict(replica["precision"])

@@ -144,6 +144,8 @@ RESIZED = {
     "downpour": {"strategy": {"class": "DownpourSGDStrategy", "kwargs": {"push_every": 4, "synchronous": True}}},
 }
 USER_CNN = {"name": "user_cnn", **RESIZED["dynamic"], "user_model": True, "trainer": {"max_epochs": 2}}
+# fp16 with a loss scaler per rank, written with initial scales 2^8 * 2^rank and resumed with 2 * 2^rank.
+LOSS_SCALER = {"name": "loss_scaler", **RESIZED["periodic"], "trainer": {"max_epochs": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +169,17 @@ def resized(tmp_path_factory):
         runs = [{"name": case, **run, "checkpoint_dir": str(root / f"ckpt{size}" / case)} for case, run in RESIZED.items()]
         if size == 3:
             runs.append({**USER_CNN, "checkpoint_dir": str(root / "ckpt3" / "user_cnn")})
+        runs.append({**LOSS_SCALER, "loss_scale_base": 2.0**8, "checkpoint_dir": str(root / f"ckpt{size}" / "loss_scaler")})
         full[size] = launch(f"full{size}", size, runs)
         written[size] = {case: next((root / f"ckpt{size}" / case).glob("epoch=1-*.ckpt")) for case in RESIZED}
+        written[size]["loss_scaler"] = next((root / f"ckpt{size}" / "loss_scaler").glob("epoch=0-*.ckpt"))
     written[3]["user_cnn"] = next((root / "ckpt3" / "user_cnn").glob("epoch=0-*.ckpt"))
     resumed = {}
     for old, new in ((3, 2), (2, 3)):
         runs = [{"name": case, **run, "ckpt_path": str(written[old][case])} for case, run in RESIZED.items()]
         if old == 3:
             runs.append({**USER_CNN, "ckpt_path": str(written[3]["user_cnn"])})
+        runs.append({**LOSS_SCALER, "loss_scale_base": 2.0, "ckpt_path": str(written[old]["loss_scaler"])})
         resumed[old, new] = launch(f"resumed{old}to{new}", new, runs)
     return full, written, resumed
 
@@ -241,3 +246,16 @@ def test_resume_at_another_world_size_with_a_user_cnn(resized):
         assert torch.equal(result["vector"], results[0]["vector"]) and bool(torch.isfinite(result["vector"]).all())
         assert result["global_step"] == checkpoint["global_step"] + result["num_training_batches"]
     assert math.isfinite(results[0]["callback_metrics"]["val_loss"])
+
+
+def test_every_rank_resumes_with_its_own_loss_scale(resized):
+    """precision="16-mixed": no gradient all-reduce ties the ranks' loss scalers, so each rank's scale is its own
+    and is saved in its part of the checkpoint. Resumed at the other world size, rank r continues with saved rank
+    r mod m's scale, like its optimizer state (before: Lightning's one scaler state, rank 0's, on every rank)."""
+    full, written, resumed = resized
+    for old, new in ((3, 2), (2, 3)):
+        step = torch.load(written[old]["loss_scaler"], weights_only=False)["global_step"]
+        saved = [result["saved_loss_scales"][step] for result in full[old]["loss_scaler"]]
+        assert len(set(saved)) == old, saved  # the ranks' scales differ
+        for rank, result in enumerate(resumed[old, new]["loss_scaler"]):
+            assert result["restored_loss_scale"] == saved[rank % old], (old, new, rank)

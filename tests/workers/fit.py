@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_dist
 from lightning_dist.data.datamodules import DigitsDataModule
@@ -36,6 +37,26 @@ class InjectNaN(Callback):
 class RecordStepZeroVector(Callback):
     def on_train_start(self, trainer, pl_module):
         self.start = trainer.strategy.model_vector.get().clone()
+
+
+class RecordLossScale(Callback):
+    """This rank's loss scale after the restore and at every checkpoint it saves (``precision="16-mixed"``)."""
+
+    def __init__(self) -> None:
+        self.restored, self.saved = None, {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.restored = trainer.precision_plugin.scaler.get_scale()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saved[trainer.global_step] = trainer.precision_plugin.scaler.get_scale()
+
+
+def loss_scaled(base: float) -> MixedPrecision:
+    """fp16 autocast with a loss scaler on the CPU (Lightning's ``"16-mixed"`` turns into bf16 there), whose
+    initial scale differs per rank, ``base * 2**rank``: each rank's scale follows its own gradients."""
+    rank = int(__import__("os").environ.get("RANK", "0"))
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=base * 2**rank))
 
 
 def main() -> None:
@@ -68,13 +89,17 @@ def fit(spec: dict) -> None:
     callbacks = [RecordStepZeroVector()]
     if "nan" in spec:
         callbacks.append(InjectNaN(**spec["nan"]))
+    plugins = []
+    if "loss_scale_base" in spec:
+        plugins.append(loss_scaled(spec["loss_scale_base"]))
+        callbacks.append(RecordLossScale())
     if spec.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_top_k=-1, every_n_epochs=1, save_last=False,
                                          filename="{epoch}-{step}"))
     trainer = L.Trainer(
         accelerator="cpu", devices=spec.get("devices", int(__import__("os").environ["LOCAL_WORLD_SIZE"])),
         strategy=strategy, logger=spec.get("logger", False), enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=bool(spec.get("checkpoint_dir")), callbacks=callbacks,
+        enable_checkpointing=bool(spec.get("checkpoint_dir")), callbacks=callbacks, plugins=plugins,
         num_sanity_val_steps=0, deterministic=True, **spec.get("trainer", {}),
     )
     error = None
@@ -98,6 +123,9 @@ def fit(spec: dict) -> None:
             num_training_batches=trainer.num_training_batches,
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         )
+        if plugins:
+            scale = next(callback for callback in callbacks if isinstance(callback, RecordLossScale))
+            result.update(restored_loss_scale=scale.restored, saved_loss_scales=scale.saved)
         if spec.get("validate_after"):
             result["validate"] = trainer.validate(model, datamodule=datamodule, verbose=False)
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
