@@ -12,7 +12,8 @@ each, so every method starts from the same weights and data order. Spec keys: ``
 ``budget_s``, ``snapshots`` (about how many parameter copies to take over the budget),
 ``eval_sequences`` (validation windows scored per copy), ``work_dir``, ``out``. A run is
 ``{"name", "kind", "strategy": {"class", "kwargs"}, "outer": {...} | None}``; ``kind`` ``"ddp"`` is
-Lightning's DDP (gradient all-reduce every step), anything else a lightning_dist strategy class,
+Lightning's DDP (gradient all-reduce every step; with ``"hook": {"name", ...}`` the compression hook of
+``benchmarks/_ddp_hooks.py``, registered on the CPU too), anything else a lightning_dist strategy class,
 with ``outer`` the keyword arguments of a ``torch.optim.SGD`` outer optimizer (DiLoCo).
 
 Timing. Rank 0 decides, after every optimizer step (every ``snapshot_every`` steps for DownpourSGD,
@@ -58,7 +59,8 @@ from lightning_dist.data import StdlibTextDataModule
 from lightning_dist.models import TransformerLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gossip_worker import comm_result, per_rank_step_s, time_protocol, trainer_kwargs  # noqa: E402  (a sibling script)
+from _ddp_hooks import ddp_with_hook  # noqa: E402  (sibling scripts)
+from _gossip_worker import comm_result, per_rank_step_s, time_protocol, trainer_kwargs  # noqa: E402
 
 INTERFACE_STATS = Path("/sys/class/net/eth0/statistics")
 
@@ -138,7 +140,7 @@ def round_period(run: dict[str, Any]) -> int:
 
 def make_strategy(spec: dict[str, Any], run: dict[str, Any]) -> Any:
     if run["kind"] == "ddp":
-        return "ddp"
+        return ddp_with_hook(**run["hook"]) if run.get("hook") else "ddp"
     kwargs = dict(run["strategy"]["kwargs"])
     if run.get("outer"):
         kwargs["outer_optimizer"] = functools.partial(torch.optim.SGD, **run["outer"])

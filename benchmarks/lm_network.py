@@ -7,6 +7,10 @@ runs in its own network namespace behind an htb cap of ``node_mbit`` on what it 
 receives (``benchmarks/netns.py``; Gloo over TCP), so every byte crosses a slow network. Methods:
 
 - ``ddp``: Lightning's DDP, a gradient all-reduce every step (the baseline);
+- ``ddp_powersgd_r1``, ``ddp_powersgd_r4``, ``ddp_fp16``: DDP with the compression a DDP user turns on
+  first: PowerSGD of rank 1 and 4 (error feedback, warm start, plain all-reduces for the first
+  step only), fp16 gradients. Lightning would drop these hooks on the CPU without a word;
+  ``benchmarks/_ddp_hooks.py`` registers them, in one DDP bucket as PowerSGD on Gloo needs;
 - ``periodic_h10``, ``periodic_h50``: periodic averaging (local SGD) every 10 and 50 steps;
 - ``fedavg``: FedAvg, ``C = 0.5``, every 10 steps;
 - ``dynamic_lo``, ``dynamic_hi``: dynamic averaging (paper 004), checks every 10 steps, two
@@ -98,6 +102,12 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
                                      check_every=CHECK_EVERY)
     return [
         {"name": "ddp", "kind": "ddp", "label": "DDP (gradient all-reduce every step)"},
+        {"name": "ddp_powersgd_r1", "kind": "ddp", "label": "DDP + PowerSGD rank 1 (error feedback, from step 2)",
+         "hook": {"name": "powersgd", "matrix_approximation_rank": 1}},
+        {"name": "ddp_powersgd_r4", "kind": "ddp", "label": "DDP + PowerSGD rank 4 (error feedback, from step 2)",
+         "hook": {"name": "powersgd", "matrix_approximation_rank": 4}},
+        {"name": "ddp_fp16", "kind": "ddp", "label": "DDP + fp16 gradient compression",
+         "hook": {"name": "fp16"}},
         {"name": "periodic_h10", "kind": "periodic", "label": "periodic averaging, every 10 steps",
          "strategy": strategy("PeriodicAveragingStrategy", period=10)},
         {"name": "periodic_h50", "kind": "periodic", "label": "periodic averaging, every 50 steps",
