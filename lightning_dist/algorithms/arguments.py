@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from torch.optim import Optimizer
 
+from lightning_dist.algorithms.compression import CODECS
 from lightning_dist.algorithms.outer import OuterOptimizerFactory
 
 
@@ -81,6 +82,16 @@ def check_client_fraction(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and 0 < value <= 1):
         raise ValueError(f"client_fraction must lie in (0, 1]; got {value!r}")
     return float(value)
+
+
+def check_compression(value: object) -> str | None:
+    """``compression``: None (models travel in their dtype) or one of :data:`~lightning_dist.algorithms.compression.CODECS`."""
+    if value is not None and value not in CODECS:
+        raise ValueError(
+            f"compression must be None or one of {', '.join(repr(codec) for codec in CODECS)} (what a full "
+            f"synchronization sends: the model delta in that format, with error feedback); got {value!r}"
+        )
+    return value
 
 
 def check_flag(name: str, value: object) -> bool:

@@ -7,7 +7,8 @@ A local-update run has one replica per rank, so a checkpoint holds more than Lig
 - under :data:`CHECKPOINT_KEY`, the protocol state (identical on every rank, saved once) and every
   rank's part: its replica, optimizer state, the precision plugin's state (the loss scaler of
   ``precision="16-mixed"``: with no gradient all-reduce tying them, each rank's scale follows its
-  own gradients), communication counters, per-rank protocol state and RNG states. Each rank pickles its part on the host and sends it to rank 0, which writes the file.
+  own gradients), communication counters, per-rank protocol state, the state of compressed
+  exchanges (the common model and the error-feedback residuals) and RNG states. Each rank pickles its part on the host and sends it to rank 0, which writes the file.
 
 Resumed by as many processes as wrote it, every rank continues from its own part, bit for bit;
 resumed by another number, the rule of :mod:`lightning_dist.strategies._resize` applies.
@@ -95,6 +96,8 @@ class ReplicaCheckpoints:
             "precision": apply_to_collection(self.precision_plugin.state_dict(), Tensor, Tensor.cpu),
             "comm": self.comm.stats.state_dict(),
             "worker": apply_to_collection(self.worker_state_dict(), Tensor, Tensor.cpu),
+            "compression": None if self._compressed is None else apply_to_collection(
+                self._compressed.state_dict(), Tensor, Tensor.cpu),
             "torch_rng": torch.get_rng_state(),
             # This rank's GPU only: get_rng_state_all() would start a CUDA context on every visible GPU.
             "cuda_rng": [torch.cuda.get_rng_state(self.root_device)] if self.root_device.type == "cuda" else [],
@@ -122,6 +125,7 @@ class ReplicaCheckpoints:
             return
         written_by, rank = state["world_size"], self.comm.rank
         replicas = state["replicas"]
+        consensus = self.model_vector.get()  # the checkpoint's state_dict, the same on every rank
         replica = replicas[nearest_saved_rank(rank, written_by)]
         # Global counters first: a strategy whose counts are per rank (DownpourSGD's pushes) sets its own below.
         self._local_steps = state["local_steps"]
@@ -138,6 +142,7 @@ class ReplicaCheckpoints:
             self.load_protocol_state_dict(self.resized_protocol_state(state["protocol"], written_by))
             workers = [saved.get("worker", {}) for saved in replicas]
             self.load_worker_state_dict(self.resized_worker_state(workers, written_by))
+        self._resume_compression(replica.get("compression") if written_by == self.comm.world_size else None, consensus)
         self._generator.set_state(state["generator"])
         torch.set_rng_state(replica["torch_rng"])
         if replica["cuda_rng"]:
@@ -145,6 +150,17 @@ class ReplicaCheckpoints:
             torch.cuda.set_rng_state(cuda_rng, self.root_device)
         random.setstate(replica["python_rng"])
         np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
+
+    def _resume_compression(self, saved: Mapping[str, Any] | None, consensus: Tensor) -> None:
+        """A compressed exchange's state: this rank's own at the same world size; else (another world size, or a
+        checkpoint written without compression) deltas from the checkpoint's consensus, residuals at zero: the
+        updates they held, a few quantization errors' worth, are dropped (the chunks they were owed are re-cut)."""
+        if self._compressed is None:
+            return
+        if saved is not None:
+            self._compressed.load_state_dict(saved, self.root_device)
+        else:
+            self._compressed.restart(consensus)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         state = checkpoint.get(CHECKPOINT_KEY)

@@ -86,6 +86,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         check_max_staleness(max_staleness)
         if not (isinstance(finish_timeout, (int, float)) and finish_timeout > 0):
             raise ValueError(f"finish_timeout must be a number of seconds > 0; got {finish_timeout!r}")
+        if kwargs.get("compression") is not None:
+            raise ValueError("DownpourSGDStrategy does not support compression: pushes and replies travel in float32")
         super().__init__(**kwargs)
         self.push_every = push_every
         self.synchronous = synchronous

@@ -67,6 +67,10 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     ``sync_overhead=None`` takes ``calibration_steps`` as the period with no probe, so a seeded run
     replays exactly.
 
+    With ``compression`` (:class:`LocalUpdateStrategy`), full synchronizations send compressed
+    deltas from the model of the last full synchronization; a balancing set's averaging (a partial
+    synchronization) still sends its members' models in their dtype.
+
     Choices where the paper is silent: the distance covers parameters only (not buffers);
     floating-point buffers are averaged with the parameters; optimizer state (momentum) stays
     local, as in the authors' platform.
@@ -276,12 +280,11 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
 
     def _full_sync(self) -> None:
         """Every replica and ``r`` become the mean of all replicas (the all-reduce), or DiLoCo's outer step from it."""
-        mean = self.average_all("protocol")
+        mean = self.synchronize_all("protocol")
         if self._outer is not None:
             mean = self._outer.step(mean)
-        self.model_vector.set(mean)
+        self.set_common_model(mean)
         self._reference = self.model_vector.parameters_of(mean).clone()
-        self._replicas_in_sync = True
         self._full_syncs += 1
         self._syncs += 1
 

