@@ -21,6 +21,8 @@ receives (``benchmarks/netns.py``; Gloo over TCP), so every byte crosses a slow 
   the run (the replicas' mean ``||f_i - r||^2`` over the period its probes of the network choose), no
   calibration run; ``dynamic_overhead10`` the same with ``sync_overhead=0.1`` (a longer period where
   synchronizing is cheap: fewer bytes);
+- ``periodic_h50_int8``, ``dynamic_default_int8``: the same with ``compression="int8"`` (full
+  synchronizations send int8 deltas from the common model, with error feedback);
 - ``segmented_gossip``: paper 002, ``S = 4``, ``R = 2``, every 10 steps;
 - ``downpour``: asynchronous DownpourSGD, a push every 5 steps;
 - ``diloco``: periodic averaging every 50 steps with DiLoCo's outer step (SGD, Nesterov momentum 0.9,
@@ -124,6 +126,12 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
         {"name": "dynamic_overhead10", "kind": "dynamic",
          "label": "dynamic averaging, defaults but sync_overhead=0.1",
          "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY, sync_overhead=0.1)},
+        {"name": "periodic_h50_int8", "kind": "periodic",
+         "label": "periodic averaging, every 50 steps, int8 deltas with error feedback",
+         "strategy": strategy("PeriodicAveragingStrategy", period=50, compression="int8")},
+        {"name": "dynamic_default_int8", "kind": "dynamic",
+         "label": "dynamic averaging, defaults, int8 deltas with error feedback",
+         "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY, compression="int8")},
         {"name": "segmented_gossip", "kind": "gossip", "label": "segmented gossip S=4 R=2, every 10 steps",
          "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=2, period=10)},
         {"name": "downpour", "kind": "downpour", "label": "DownpourSGD async, push every 5 steps",
