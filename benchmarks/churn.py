@@ -80,7 +80,7 @@ PROTOCOLS = {
     "segmented_gossip": (f"segmented gossip S=10 R=2 tau={PERIOD}",
                          lambda: SegmentedGossip(segments=10, replicas=2, period=PERIOD)),
     "parameter_server": (f"parameter server (async) push every {PERIOD}, lr 0.0005",
-                         lambda: ParameterServer(push_every=PERIOD)),
+                         lambda: ParameterServer(push_every=PERIOD, staleness_aware=False)),
 }
 LEARNING_RATE = {"parameter_server": 0.0005}
 """Asynchronous Downpour adds every worker's update in full, 31 server versions stale on average with 32 workers:

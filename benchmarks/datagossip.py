@@ -60,7 +60,7 @@ from _launch import BENCHMARKS, REPO, launch  # noqa: E402
 WORKER = BENCHMARKS / "_downpour_worker.py"
 TASK = {
     "model": {"hidden_size": 64, "learning_rate": 0.03, "momentum": 0.0},
-    "strategy": {"push_every": 5, "synchronous": False},
+    "strategy": {"push_every": 5, "synchronous": False, "staleness_aware": False},  # paper 000: updates in full
     "snapshot_every_s": 0.25,
 }
 BATCH_SIZE = 16

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for mode in ("sync", "async"):
         spec = {**TASK, "name": f"downpour_{mode}", "epochs": args.epochs,
-                "strategy": {"push_every": args.push_every, "synchronous": mode == "sync"},
+                "strategy": {"push_every": args.push_every, "synchronous": mode == "sync",
+                             "staleness_aware": False},  # paper 001: asynchronous updates in full
                 "slow": {"rank": args.ranks - 1, "seconds": args.slow_seconds}}
         print(f"{mode} ...", end=" ", flush=True)
         results[mode] = launch(spec, args.ranks, args.out / "runs", timeout=args.timeout, worker=WORKER)

@@ -95,6 +95,10 @@ ROW_KEYS = ("time", "steps", "mean_steps", "bytes", "train_loss", "val_loss", "v
 # ---------------------------------------------------------------- running
 
 
+# Paper 001's asynchronous parameter server: every update added in full (the strategy's default divides it by its
+# staleness plus one).
+PAPER_ASYNC = {"name": "parameter_server", "push_every": 1, "synchronous": False, "staleness_aware": False}
+
 def _round(value: Any) -> Any:
     return float(f"{value:.6g}") if isinstance(value, float) and math.isfinite(value) else value
 
@@ -159,7 +163,7 @@ def calibrate(steps: int, repeats: int = 3) -> dict[str, Any]:
     Other processes share the CPU, so the run is repeated and the least disturbed one (the lowest
     mean step time) is taken.
     """
-    protocol = {"name": "parameter_server", "push_every": 1, "synchronous": False}
+    protocol = PAPER_ASYNC
     simulate("warmup", "calibration", protocol, 1, BASE_LR, 50, 0.0, None, eval_every=1000)
     measured = []
     for _ in range(repeats):
@@ -203,14 +207,14 @@ def study_specs(p: dict[str, Any]) -> list[dict[str, Any]]:
                 specs.append({"name": f"{mode}_w{workers}_lat{latency:g}", "part": "study", "mode": mode,
                               "workers": workers, "latency": latency, "lr": BASE_LR, "steps": p["steps"],
                               "protocol": {"name": "parameter_server", "push_every": 1,
-                                           "synchronous": mode == "sync"}})
+                                           "synchronous": mode == "sync", "staleness_aware": False}})
     for scaled, steps in ((True, p["steps"]), (False, p["unscaled_steps"])):
         for workers in p["async_workers"]:
             specs.append({"name": f"async_w{workers}_lat{ASYNC_LATENCY:g}" + ("" if scaled else "_unscaled"),
                           "part": "async_scaled" if scaled else "async_unscaled", "mode": "async",
                           "workers": workers, "latency": ASYNC_LATENCY,
                           "lr": BASE_LR / workers if scaled else BASE_LR, "steps": steps,
-                          "protocol": {"name": "parameter_server", "push_every": 1, "synchronous": False}})
+                          "protocol": PAPER_ASYNC})
     return specs
 
 
@@ -219,7 +223,7 @@ def scale_specs(p: dict[str, Any]) -> list[dict[str, Any]]:
     for workers in p["scale_workers"]:
         specs.append({"name": f"scale_async_ps_w{workers}", "part": "scale", "mode": "async", "workers": workers,
                       "latency": ASYNC_LATENCY, "lr": BASE_LR / workers, "steps": p["scale_steps"],
-                      "protocol": {"name": "parameter_server", "push_every": 1, "synchronous": False}})
+                      "protocol": PAPER_ASYNC})
         specs.append({"name": f"scale_periodic_w{workers}", "part": "scale", "mode": "periodic", "workers": workers,
                       "latency": ASYNC_LATENCY, "lr": BASE_LR, "steps": p["scale_steps"],
                       "protocol": {"name": "periodic", "period": SCALE_PERIOD}})

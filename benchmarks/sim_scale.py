@@ -48,7 +48,7 @@ MLP_PROTOCOLS = {
     "periodic": ("periodic", {"period": 10, "topology": "strategy"}),
     "dynamic_avg": ("dynamic_avg", {"divergence_threshold": 0.05, "check_every": 10, "topology": "strategy"}),
     "segmented_gossip": ("segmented_gossip", {"segments": 4, "replicas": 2, "period": 10, "topology": "strategy"}),
-    "parameter_server": ("parameter_server", {"push_every": 10, "topology": "strategy"}),
+    "parameter_server": ("parameter_server", {"push_every": 10, "staleness_aware": False, "topology": "strategy"}),
 }
 LM_PROTOCOLS = {"ddp": ("ddp", {}), "periodic": ("periodic", {"period": 50, "topology": "strategy"})}
 

@@ -9,8 +9,16 @@ moves the tensors, the simulator calls the same code.
 
 The server's rules:
 
-- **Asynchronous** (paper 001, section 2.2.2, ASGD): each update is added in full as it arrives,
-  ``w <- w + u``, one server version per update.
+- **Asynchronous** (paper 001, section 2.2.2, ASGD): each update is added as it arrives, one server
+  version per update: in full, ``w <- w + u`` (Dean et al.; paper 001), or, with
+  ``staleness_aware``, divided by its staleness plus one, ``w <- w + u / (tau + 1)`` (Zhang et al.,
+  "Staleness-aware Async-SGD", IJCAI 2016, whose learning rate ``alpha / tau`` counts tau from 1).
+  With m workers pushing in turn an update is about m - 1 versions stale, so in full the server
+  moves m times as far per unit of time as a synchronous round (the mean of m updates) would, in
+  directions computed from models up to m - 1 versions old: with AdamW's fixed-size steps on the
+  package's language model that ended at loss 3.28 where every averaging method passed 2.68 (and
+  the simulator agreed: 3.04); scaled, the simulator reached 2.31. An update with staleness 0 is
+  applied in full, so a lone fast worker is not slowed.
 - **Synchronous** (paper 001, section 2.2.1, SSGD: "the parameter server obtains the gradient
   average and updates the parameters"): one round takes one update from every worker, all computed
   from the same global version, and applies their mean, ``w <- w + (1/m) sum_i u_i``; the round is
@@ -90,9 +98,12 @@ class GlobalModel:
             (``ModelVector.num_parameters``).
         workers: number of workers that push (one buffer entry each).
         max_staleness: drop updates whose staleness exceeds this; ``None`` accepts every update.
+        staleness_aware: divide each update by its staleness plus one (see the module docstring);
+            False adds it in full, as DownpourSGD and paper 001's ASGD do.
     """
 
-    def __init__(self, vector: Tensor, num_parameters: int, workers: int, max_staleness: int | None = None) -> None:
+    def __init__(self, vector: Tensor, num_parameters: int, workers: int, max_staleness: int | None = None,
+                 staleness_aware: bool = False) -> None:
         check_max_staleness(max_staleness)
         if not 0 <= num_parameters <= vector.numel():
             raise ValueError(f"num_parameters must be in [0, {vector.numel()}] (the vector's length); got {num_parameters}")
@@ -102,6 +113,7 @@ class GlobalModel:
         self.num_parameters = num_parameters
         self.worker_buffers = self.vector[num_parameters:].repeat(workers, 1)
         self.max_staleness = max_staleness
+        self.staleness_aware = staleness_aware
         self.version = 0
         self.accepted = 0
         self.rejected = 0
@@ -122,7 +134,8 @@ class GlobalModel:
         return self.max_staleness is not None and self.staleness(pulled_version) > self.max_staleness
 
     def push(self, message: Tensor, pulled_version: int, rank: int) -> PushOutcome:
-        """Asynchronous: apply ``rank``'s :func:`push_message` in full unless it is too stale (one version)."""
+        """Asynchronous: apply ``rank``'s :func:`push_message` (scaled if ``staleness_aware``) unless it is too
+        stale (one version)."""
         return self.push_round([(message, pulled_version, rank)])[0]
 
     def push_round(self, messages: Sequence[tuple[Tensor, int, int]]) -> list[PushOutcome]:
@@ -130,7 +143,8 @@ class GlobalModel:
 
         Synchronous Downpour passes one round (every worker's push, all pulled from the same
         version, so each has staleness 0); asynchronous Downpour passes one push at a time. Updates
-        staler than ``max_staleness`` are dropped, the others' parameter updates are averaged and
+        staler than ``max_staleness`` are dropped, the others' parameter updates (each divided by its
+        staleness plus one if ``staleness_aware``: 1 in a synchronous round) are averaged and
         added (``w <- w + mean``), their buffers replace the senders' entries, and the version
         advances by one if any was applied. The mean is taken in the given order, so a round in rank
         order gives the same floats on every run.
@@ -145,7 +159,8 @@ class GlobalModel:
                 outcomes.append(PushOutcome(False, staleness, self.version))
                 continue
             message = message.to(self.vector.device, self.vector.dtype)
-            updates.append(message[: self.num_parameters])
+            update = message[: self.num_parameters]
+            updates.append(update / (staleness + 1) if self.staleness_aware else update)
             self.worker_buffers[rank] = message[self.num_parameters :]
             self.accepted += 1
             self.staleness_sum += staleness

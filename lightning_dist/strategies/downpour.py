@@ -66,6 +66,13 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             (staleness = server versions between the worker's pull and its push; a synchronous
             round is one version and its updates have staleness 0, so none is dropped there).
             None (default) applies every update, as DownpourSGD does.
+        staleness_aware: the server divides each asynchronous update by its staleness plus one
+            (Zhang et al., IJCAI 2016; :mod:`lightning_dist.algorithms.parameter_server`), so m
+            workers pushing in turn move the global model about as far as one synchronous round does
+            per unit of time. Default True: added in full (False, Dean et al.'s and paper 001's rule)
+            the updates of 4 ranks training the package's language model with AdamW ended at loss 3.28
+            where the averaging strategies passed 2.68. No effect with ``synchronous=True``
+            (staleness 0).
         finish_timeout: seconds rank 0 waits at the end of ``fit`` for the other ranks to finish
             their last steps.
         **kwargs: passed to :class:`LocalUpdateStrategy` (``seed`` and Lightning's DDP arguments).
@@ -78,12 +85,14 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         push_every: int = 5,
         synchronous: bool = False,
         max_staleness: int | None = None,
+        staleness_aware: bool = True,
         finish_timeout: float = 1800.0,
         **kwargs: Any,
     ) -> None:
         check_steps("push_every", push_every, "optimizer steps between pushes")
         check_flag("synchronous", synchronous)
         check_max_staleness(max_staleness)
+        check_flag("staleness_aware", staleness_aware)
         if not (isinstance(finish_timeout, (int, float)) and finish_timeout > 0):
             raise ValueError(f"finish_timeout must be a number of seconds > 0; got {finish_timeout!r}")
         if kwargs.get("compression") is not None:
@@ -92,6 +101,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self.push_every = push_every
         self.synchronous = synchronous
         self.max_staleness = max_staleness
+        self.staleness_aware = staleness_aware
         self.finish_timeout = float(finish_timeout)
         self._ps_comm: Communicator | None = None
         self._server: ParameterServer | None = None
@@ -137,7 +147,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         if ps_comm.rank == SERVER_RANK:
             assert self._pulled is not None
             model = GlobalModel(self._pulled, self.model_vector.num_parameters, ps_comm.world_size,
-                                self.max_staleness)
+                                self.max_staleness, self.staleness_aware)
             if self._restored_server is not None:
                 model.load_state_dict(self._restored_server)
             self._server = ParameterServer(ps_comm, model, self.synchronous)

@@ -35,6 +35,30 @@ def test_asynchronous_pushes_add_up_and_count_staleness():
     assert server.metrics()["downpour/staleness_max"] == 1
 
 
+def test_staleness_aware_updates_are_divided_by_their_staleness_plus_one():
+    """Zhang et al. (IJCAI 2016): lr / tau with tau counted from 1, i.e. u / (staleness + 1). Three workers push
+    in turn from version 0: staleness 0, 1, 2; then rank 0 pushes from version 1 (staleness 2)."""
+    server = GlobalModel(torch.zeros(2), num_parameters=2, workers=3, staleness_aware=True)
+    outcomes = [server.push(torch.tensor([6.0, 0.0]), 0, rank=0), server.push(torch.tensor([6.0, 6.0]), 0, rank=1),
+                server.push(torch.tensor([0.0, 6.0]), 0, rank=2), server.push(torch.tensor([3.0, 3.0]), 1, rank=0)]
+    assert [outcome.staleness for outcome in outcomes] == [0, 1, 2, 2]
+    assert torch.equal(server.vector, torch.tensor([6.0 + 3.0 + 0.0 + 1.0, 0.0 + 3.0 + 2.0 + 1.0]))
+    assert server.version == 4
+    # A synchronous round (staleness 0 for all) is the plain mean with or without the option.
+    aware, plain = (GlobalModel(torch.zeros(1), 1, 2, staleness_aware=flag) for flag in (True, False))
+    for model in (aware, plain):
+        model.push_round([(torch.tensor([2.0]), 0, 0), (torch.tensor([4.0]), 0, 1)])
+    assert torch.equal(aware.vector, plain.vector) and torch.equal(aware.vector, torch.tensor([3.0]))
+
+
+def test_the_strategy_scales_by_staleness_by_default_and_names_the_flag():
+    from lightning_dist import DownpourSGDStrategy
+
+    assert DownpourSGDStrategy().staleness_aware is True
+    with pytest.raises(ValueError, match="staleness_aware must be True or False; got 1"):
+        DownpourSGDStrategy(staleness_aware=1)
+
+
 def test_max_staleness_drops_only_updates_beyond_the_bound():
     server = GlobalModel(torch.zeros(1), num_parameters=1, workers=3, max_staleness=1)
     server.push(torch.ones(1), 0, rank=0)

@@ -24,14 +24,17 @@ from lightning_dist.models import MLPClassifier
 
 
 class RecordingDownpour(DownpourSGDStrategy):
-    """Also sums the updates the server accepted from this rank (for the server invariant)."""
+    """Also sums the updates the server applied from this rank (for the server invariant): each accepted push, divided
+    by its staleness plus one when staleness-aware (the reply's version is one past the version the push found)."""
 
     def _push(self) -> None:
         update = self.model_vector.get().cpu() - self._pulled
-        rejected_before = self._rejected_pushes
+        rejected_before, pulled_version = self._rejected_pushes, self._pulled_version
         super()._push()
         if self._rejected_pushes == rejected_before:
-            self.accepted_sum = getattr(self, "accepted_sum", torch.zeros_like(update)) + update.double()
+            staleness_plus_one = self._pulled_version - pulled_version if self.staleness_aware else 1
+            applied = update.double() / staleness_plus_one
+            self.accepted_sum = getattr(self, "accepted_sum", torch.zeros_like(applied)) + applied
 
 
 class BatchNormClassifier(MLPClassifier):

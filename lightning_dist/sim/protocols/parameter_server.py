@@ -49,24 +49,28 @@ class ParameterServer(Protocol):
     push_every: local steps between pushes (DESIGN 3.5's default 5); ``>= 1``.
     synchronous: a barrier per round (paper 001's synchronous mode) instead of asynchronous pushes.
     max_staleness: drop updates staler than this many server versions; None keeps all.
+    staleness_aware: divide each asynchronous update by its staleness plus one, as the strategy does by
+        default (:mod:`lightning_dist.algorithms.parameter_server`); False adds it in full (paper 001's ASGD).
     topology: ``"server"`` (a server node of its own) or ``"strategy"`` (the strategy's server thread on
         worker 0's node).
     """
 
     name = "parameter_server"
-    arguments = ("push_every", "synchronous", "max_staleness", "topology")
+    arguments = ("push_every", "synchronous", "max_staleness", "staleness_aware", "topology")
 
     def __init__(
         self,
         push_every: int = 5,
         synchronous: bool = False,
         max_staleness: Optional[int] = None,
+        staleness_aware: bool = True,
         topology: str = "server",
     ) -> None:
         self.push_every = check_steps("push_every", push_every, "local steps between pushes")
         self.synchronous = check_flag("synchronous", synchronous)
         check_max_staleness(max_staleness)
         self.max_staleness = max_staleness
+        self.staleness_aware = check_flag("staleness_aware", staleness_aware)
         self.topology = check_topology(topology)
         if self.topology == "strategy" and max_staleness is not None:
             raise ValueError(
@@ -81,7 +85,8 @@ class ParameterServer(Protocol):
         super().setup(simulation)
         initial = simulation.replicas[0].get()
         self.num_parameters = simulation.replicas[0].vector.num_parameters
-        self.store = GlobalModel(initial, self.num_parameters, simulation.num_workers, self.max_staleness)
+        self.store = GlobalModel(initial, self.num_parameters, simulation.num_workers, self.max_staleness,
+                                 self.staleness_aware)
         self.rounds = simulation.max_steps // self.push_every
         self.pulled = [initial] * simulation.num_workers
         self.versions = [0] * simulation.num_workers
