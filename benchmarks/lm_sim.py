@@ -81,8 +81,6 @@ def protocol_of(method: dict[str, Any]) -> Protocol:
     """The simulator's protocol for one of ``lm_network.methods``: the strategy's arguments, its communication."""
     if method.get("hook"):
         raise NotSimulated(f"{method['name']}: the simulator has no model of DDP's {method['hook']['name']} hook yet")
-    if method.get("strategy", {}).get("kwargs", {}).get("compression"):
-        raise NotSimulated(f"{method['name']}: the simulator has no model of compressed synchronizations yet")
     if method["kind"] == "ddp":
         return make_protocol("ddp")
     kwargs = dict(method["strategy"]["kwargs"])

@@ -50,14 +50,16 @@ def check_dynamic_schedule(
 ) -> tuple[float | None, int, int]:
     """Dynamic averaging's ``Delta`` (None: calibrated in the run), ``b`` and the calibration window.
 
-    ``calibration_steps`` must be a multiple of ``check_every``: the threshold is measured at a check.
+    With the threshold to be measured, ``calibration_steps`` must be a multiple of ``check_every``:
+    the threshold is measured at a check. A set threshold does not use it (so ``check_every=3`` with
+    a set threshold needs no ``calibration_steps``).
     """
     threshold = None if divergence_threshold is None else check_divergence_threshold(divergence_threshold)
     check_every = check_steps("check_every", check_every, "optimizer steps between local-condition checks")
     calibration_steps = check_steps(
         "calibration_steps", calibration_steps, "local steps whose drift sets the threshold when it is None"
     )
-    if calibration_steps % check_every:
+    if threshold is None and calibration_steps % check_every:
         raise ValueError(
             f"calibration_steps must be a multiple of check_every={check_every} (the drift is measured at a check); "
             f"got {calibration_steps}"

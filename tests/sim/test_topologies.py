@@ -248,8 +248,7 @@ def test_dynamic_averaging_as_the_strategy_sends_what_the_strategys_counters_rec
 
 def test_dynamic_averaging_as_the_strategy_all_reduces_a_full_synchronisation_forced_by_the_violation_counter():
     workers = 4
-    # calibration_steps is not used with a set threshold, but must be a multiple of check_every (as the strategy's).
-    protocol = DynamicAveraging(divergence_threshold=1e-9, check_every=3, calibration_steps=3, topology="strategy")
+    protocol = DynamicAveraging(divergence_threshold=1e-9, check_every=3, topology="strategy")
     sim, result = run(protocol, workers, 6)
     assert protocol.counts == {"checks": 2, "violations": 8, "full_syncs": 2, "partial_syncs": 0}
     model_bytes = sim.replicas[0].get().nbytes

@@ -30,6 +30,11 @@ def test_calibration_steps(value, message):
         DynamicAveragingStrategy(calibration_steps=value)
 
 
+def test_a_set_threshold_takes_any_check_interval_without_calibration_steps():
+    """calibration_steps (default 100) only matters when Delta is measured: check_every=3 is fine with a set one."""
+    assert DynamicAveragingStrategy(divergence_threshold=0.5, check_every=3).check_every == 3
+
+
 def test_the_default_threshold_is_measured_and_an_explicit_one_is_used_as_given():
     assert DynamicAveragingStrategy().threshold is None
     assert DynamicAveragingStrategy(divergence_threshold=2).threshold == 2.0

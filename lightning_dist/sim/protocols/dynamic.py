@@ -117,6 +117,7 @@ from lightning_dist.algorithms.averaging import (
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
+from lightning_dist.sim.protocols.compressed import CompressedSync, check_simulated_compression
 from lightning_dist.sim.protocols.dynamic_calibration import PROBE, Calibration, echo
 from lightning_dist.sim.protocols.membership import JOIN, LEFT, Membership, request_admission
 from lightning_dist.sim.protocols.subset_average import SubsetAverage
@@ -155,7 +156,8 @@ class DynamicAveraging(Protocol):
 
     name = "dynamic_avg"
     arguments = (
-        "divergence_threshold", "check_every", "calibration_steps", "sync_overhead", "seed", "topology", "outer_optimizer"
+        "divergence_threshold", "check_every", "calibration_steps", "sync_overhead", "seed", "topology", "outer_optimizer",
+        "compression",
     )
 
     def __init__(
@@ -167,6 +169,7 @@ class DynamicAveraging(Protocol):
         seed: int = 0,
         topology: str = "server",
         outer_optimizer: object = None,
+        compression: str | None = None,
     ) -> None:
         self.divergence_threshold, self.check_every, self.calibration_steps = check_dynamic_schedule(
             divergence_threshold, check_every, calibration_steps
@@ -179,6 +182,7 @@ class DynamicAveraging(Protocol):
         self.num_servers = 1 if self.topology == "server" else 0
         self._outer_factory = check_outer_optimizer(outer_optimizer)
         self.outer_optimizer = outer_optimizer_config(outer_optimizer)
+        self.compression = check_simulated_compression(compression, self.topology)
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -198,6 +202,8 @@ class DynamicAveraging(Protocol):
         )
         self.membership = Membership(simulation.present_workers())
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
+        self.compressed = (None if self.compression is None
+                           else CompressedSync(self.compression, self.reference_model, simulation.num_workers))
         self.violation_counter = 0
         self.balancings = 0
         self._answered = [0] * simulation.num_workers  # the last balancing each worker took part in
@@ -353,9 +359,12 @@ class DynamicAveraging(Protocol):
         dtype), DiLoCo's outer step from the mean if any; the result is every worker's model and reference."""
         if rank == 0:
             self.counts["full_syncs"] += 1
-        nbytes = accumulated_nbytes(local.numel(), local.dtype)
-        combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
-        mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
+        if self.compressed is not None:
+            mean = yield from self.compressed.synchronize(node, ("average", check), workers, local, self.outer)
+        else:
+            nbytes = accumulated_nbytes(local.numel(), local.dtype)
+            combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
+            mean = yield from node.all_reduce(("average", check), workers, local, combine, nbytes=nbytes)
         self._take(rank, mean, full_sync=True)
 
     def _mean_within(

@@ -48,6 +48,7 @@ from lightning_dist.algorithms.averaging import accumulated_nbytes, sample_parti
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
+from lightning_dist.sim.protocols.compressed import CompressedSync, check_simulated_compression
 from lightning_dist.sim.protocols.membership import Membership, request_admission
 from lightning_dist.sim.protocols.subset_average import SubsetAverage
 from lightning_dist.sim.replica import NonFiniteModelError, check_finite
@@ -63,10 +64,12 @@ class PeriodicAveraging(Protocol):
     outer_optimizer: None (plain averaging), or DiLoCo's outer optimizer as the strategy takes it; in
         a config ``{class_path: torch.optim.SGD, init_args: {lr: 0.7, momentum: 0.9, nesterov: true}}``
         or an import path such as ``lightning_dist.algorithms.outer.diloco_outer_optimizer``. Needs ``C = 1``.
+    compression: None, ``"bf16"`` or ``"int8"``: the strategy's compressed synchronization
+        (:mod:`lightning_dist.sim.protocols.compressed`). Needs ``C = 1`` and ``topology="strategy"``.
     """
 
     name = "periodic"
-    arguments = ("period", "client_fraction", "seed", "topology", "outer_optimizer")
+    arguments = ("period", "client_fraction", "seed", "topology", "outer_optimizer", "compression")
 
     def __init__(
         self,
@@ -75,6 +78,7 @@ class PeriodicAveraging(Protocol):
         seed: int = 0,
         topology: str = "server",
         outer_optimizer: object = None,
+        compression: str | None = None,
     ) -> None:
         self.period = check_steps("period", period, "local steps between averagings")
         self.client_fraction = check_client_fraction(client_fraction)
@@ -83,6 +87,7 @@ class PeriodicAveraging(Protocol):
         self.num_servers = 1 if self.topology == "server" else 0
         self._outer_factory = check_outer_optimizer(outer_optimizer, self.client_fraction)
         self.outer_optimizer = outer_optimizer_config(outer_optimizer)
+        self.compression = check_simulated_compression(compression, self.topology, self.client_fraction)
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -96,6 +101,8 @@ class PeriodicAveraging(Protocol):
             None if self._outer_factory is None
             else OuterStep(start.vector.parameters_of(start.get()), self._outer_factory)
         )
+        self.compressed = (None if self.compression is None
+                           else CompressedSync(self.compression, self.last_mean, simulation.num_workers))
 
     def participants(self, round_index: int) -> list[int]:
         """Participants of round ``round_index`` (from 1), drawn in round order from the shared seed among the
@@ -140,6 +147,8 @@ class PeriodicAveraging(Protocol):
         participants = self.participants(round_index)
         workers = list(range(self.simulation.num_workers))
         local = self.simulation.replicas[rank].get()
+        if len(participants) == len(workers) and self.compressed is not None:
+            return (yield from self.compressed.synchronize(node, ("average", round_index), workers, local, self.outer))
         if len(participants) == len(workers):
             nbytes = accumulated_nbytes(local.numel(), local.dtype)
             combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))

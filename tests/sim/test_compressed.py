@@ -1,0 +1,72 @@
+"""The strategies' compressed full synchronization in the simulator: compressed_mean's models, the strategy's bytes."""
+
+import pytest
+import torch
+
+from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
+from lightning_dist.algorithms.subset_average import chunk_bounds
+from lightning_dist.sim import DynamicAveraging, PeriodicAveraging
+from sim.test_topologies import run
+
+
+class StartAndSnapshots:
+    """Keeps the start model and every worker's model as it enters each synchronization."""
+
+    def setup(self, simulation):
+        super().setup(simulation)
+        self.start = simulation.replicas[0].get()
+        self.snapshots = {}
+
+    def after_step(self, node, rank, step):
+        if step % self.every == 0:
+            self.snapshots.setdefault(step, {})[rank] = self.simulation.replicas[rank].get()
+        yield from super().after_step(node, rank, step)
+
+
+class PeriodicSnapshots(StartAndSnapshots, PeriodicAveraging):
+    every = property(lambda self: self.period)
+
+
+class DynamicSnapshots(StartAndSnapshots, DynamicAveraging):
+    every = property(lambda self: self.check_every)
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+@pytest.mark.parametrize("protocol_class", [PeriodicSnapshots, DynamicSnapshots])
+def test_every_worker_takes_the_definitions_model_and_the_strategys_bytes(codec, protocol_class):
+    """4 workers, a synchronization every 3 steps for 9 steps (periodic, or dynamic with a threshold every check
+    violates): after each, every worker holds the common model plus compressed_mean's applied update of the deltas
+    (residuals carried); every worker sent a 1-byte flag to each other (and dynamic averaging's 8-byte distance), and
+    in all 2 (m - 1) times the encoded chunks' bytes, what the strategy's ranks send."""
+    workers, every, syncs = 4, 3, 3
+    if protocol_class is PeriodicSnapshots:
+        protocol = PeriodicSnapshots(period=every, topology="strategy", compression=codec)
+    else:
+        protocol = DynamicSnapshots(divergence_threshold=1e-12, check_every=every, topology="strategy",
+                                    compression=codec)
+    sim, _ = run(protocol, workers, every * syncs)
+    numel = sim.replicas[0].get().numel()
+    bounds = list(chunk_bounds(numel, list(range(workers))).values())
+    worker_residuals = [torch.zeros(numel) for _ in range(workers)]
+    owner_residuals = [torch.zeros(stop - start) for start, stop in bounds]
+    common = protocol.start
+    for index in range(1, syncs + 1):
+        models = [protocol.snapshots[index * every][rank] for rank in range(workers)]
+        deltas = [model - common for model in models]
+        applied, worker_residuals, owner_residuals = compressed_mean(deltas, worker_residuals, owner_residuals, codec)
+        common = common + applied
+        assert not torch.equal(common, sum(models) / workers)  # compressed: not the exact mean
+    for replica in sim.replicas:
+        assert torch.equal(replica.get(), common)
+    encoded = sum(encoded_nbytes(stop - start, codec) for start, stop in bounds)
+    checks = workers * (workers - 1) * 8 if protocol_class is DynamicSnapshots else 0  # the distances' all-gather
+    assert sim.simulator.network.total_bytes == syncs * (checks + workers * (workers - 1) + 2 * (workers - 1) * encoded)
+
+
+def test_compression_needs_the_strategy_topology_and_every_worker():
+    with pytest.raises(ValueError, match="compression needs topology='strategy' and client_fraction=1"):
+        PeriodicAveraging(compression="int8")
+    with pytest.raises(ValueError, match="compression needs topology='strategy' and client_fraction=1"):
+        PeriodicAveraging(compression="int8", topology="strategy", client_fraction=0.5)
+    with pytest.raises(ValueError, match="compression must be None or one of"):
+        DynamicAveraging(compression="int4", topology="strategy")
