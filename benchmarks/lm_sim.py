@@ -73,16 +73,11 @@ SCALE_MAX_STEPS = 150
 EVALUATIONS = 16  # evaluations over a run's budget, as the measured run's parameter copies
 
 
-class NotSimulated(ValueError):
-    """A measured method the simulator does not model (part 1 skips it and says so)."""
-
-
 def protocol_of(method: dict[str, Any]) -> Protocol:
     """The simulator's protocol for one of ``lm_network.methods``: the strategy's arguments, its communication."""
-    if method.get("hook"):
-        raise NotSimulated(f"{method['name']}: the simulator has no model of DDP's {method['hook']['name']} hook yet")
     if method["kind"] == "ddp":
-        return make_protocol("ddp")
+        hook = dict(method.get("hook") or {})
+        return make_protocol("ddp", **({"hook": hook.pop("name"), **hook} if hook else {}))
     kwargs = dict(method["strategy"]["kwargs"])
     cls = method["strategy"]["class"]
     if method.get("outer"):
@@ -173,11 +168,6 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
     cells = []
     for row in summary["rows"]:
         if args.methods and row["name"] not in args.methods:
-            continue
-        try:
-            protocol_of(methods[row["name"]])
-        except NotSimulated as skipped:
-            print(f"skipped: {skipped}", flush=True)
             continue
         max_steps = math.ceil(budget / step_s) + 1
         predicted = simulate(config, methods[row["name"]], config["ranks"], row["node_mbit"], ceiling_mbit, step_s,

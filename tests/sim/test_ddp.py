@@ -146,3 +146,32 @@ def test_a_module_with_floating_point_buffers_is_refused():
     sim.model = BatchNormClassifier(num_features=64, num_classes=10)
     with pytest.raises(ValueError, match="floating-point buffers"):
         sim.run()
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_a_compression_hook_moves_its_bytes_and_every_worker_applies_its_mean(hook):
+    """The digits MLP, 3 workers, 5 steps: the replicas stay identical; fp16 reduces half the gradient bytes every
+    step; PowerSGD (rank 1) plain bytes for its first 2 steps, then its factors and vectors only."""
+    plain = simulation(DataParallel(), workers=WORKERS, max_steps=5)
+    plain.run()
+    sim = simulation(DataParallel(hook=hook), workers=WORKERS, max_steps=5)
+    sim.run()
+    for replica in sim.replicas[1:]:
+        assert torch.equal(replica.get(), sim.replicas[0].get())
+    assert not torch.equal(sim.replicas[0].get(), plain.replicas[0].get())
+    step_bytes = plain.simulator.network.total_bytes / 5
+    if hook == "fp16":
+        assert sim.simulator.network.total_bytes == pytest.approx(plain.simulator.network.total_bytes / 2)
+    else:
+        compressed = sim.protocol.powersgd.nbytes()
+        gradient_bytes = sum(p.numel() * 4 for p in sim.replicas[0].vector.parameters)
+        assert compressed < gradient_bytes / 2
+        ring = 2 * (WORKERS - 1)  # total bytes of a ring all-reduce of S bytes over all workers: 2 (m - 1) S
+        assert sim.simulator.network.total_bytes == pytest.approx(2 * step_bytes + 3 * ring * compressed)
+
+
+def test_bad_hook_arguments_are_named():
+    with pytest.raises(ValueError, match="hook must be None, 'fp16' or 'powersgd'; got 'int8'"):
+        DataParallel(hook="int8")
+    with pytest.raises(ValueError, match="start_powerSGD_iter must be an integer >= 2"):
+        DataParallel(hook="powersgd", start_powerSGD_iter=1)

@@ -41,16 +41,36 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_count, check_steps
 from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.gradient_compression import PowerSGD, fp16_mean
 from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol
 from lightning_dist.sim.replica import NonFiniteModelError
 
 
 class DataParallel(Protocol):
-    """No arguments: every worker takes part in every step's gradient all-reduce."""
+    """Every worker takes part in every step's gradient all-reduce.
+
+    Args:
+    hook: None (DDP's plain all-reduce), ``"fp16"`` or ``"powersgd"``: the DDP communication hook the
+        benchmarks register (:mod:`lightning_dist.algorithms.gradient_compression` gives what every
+        worker applies; the all-reduce carries the hook's bytes: half, or PowerSGD's factors).
+    matrix_approximation_rank: PowerSGD's rank ``r``.
+    start_powerSGD_iter: PowerSGD's plain all-reduces before compressing (>= 2 with error feedback, as the hook).
+    """
 
     name = "ddp"
+    arguments = ("hook", "matrix_approximation_rank", "start_powerSGD_iter")
+
+    def __init__(self, hook: str | None = None, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 2) -> None:
+        if hook not in (None, "fp16", "powersgd"):
+            raise ValueError(f"hook must be None, 'fp16' or 'powersgd'; got {hook!r}")
+        self.hook = hook
+        self.matrix_approximation_rank = check_steps("matrix_approximation_rank", matrix_approximation_rank,
+                                                     "PowerSGD's rank")
+        self.start_powerSGD_iter = check_count("start_powerSGD_iter", start_powerSGD_iter, 2,
+                                               meaning=" (PowerSGD with error feedback compresses from the third step)")
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -67,6 +87,7 @@ class DataParallel(Protocol):
         self.waiting: list[int] = []  # joiners not yet admitted
         self.owed: dict[int, tuple[int, list[int]]] = {}  # step -> (its sender, joiners it still owes the model)
         self.left_with: tuple[Tensor, int] = (simulation.replicas[0].get(), 0)  # the last worker's model and step
+        self.powersgd: PowerSGD | None = None  # made from the first step's gradients (the trainable parameters)
 
     def train_step(self, node: Node, rank: int, batch: Any) -> Program:
         replica = self.simulation.replicas[rank]
@@ -76,7 +97,8 @@ class DataParallel(Protocol):
         started = node.now
         gradients = replica.gradients()
         mean = yield from node.all_reduce(("gradient", step), members, gradients,
-                                          lambda grads: self._reduce(step, grads))
+                                          lambda grads: self._reduce(step, grads),
+                                          nbytes=self._nbytes(step, gradients))
         self.simulation.record_wait(rank, step, started)
         yield from node.execute(replica.apply_gradient, mean, kind="update")
         self.done[rank] = step
@@ -87,13 +109,33 @@ class DataParallel(Protocol):
             self._send_state(rank, step)
         return loss
 
+    def _nbytes(self, step: int, gradients: list[Tensor]) -> int:
+        """The bytes the step's all-reduce reduces: the gradients, in float16 with the fp16 hook, PowerSGD's factors
+        (and its uncompressed tensors) once it compresses."""
+        if self.hook == "powersgd" and self.powersgd is None:
+            self.powersgd = PowerSGD([gradient.shape for gradient in gradients], self.simulation.num_workers,
+                                     self.matrix_approximation_rank, self.start_powerSGD_iter)
+        plain = sum(gradient.numel() * gradient.element_size() for gradient in gradients)
+        if self.hook == "fp16":
+            return plain // 2
+        if self.powersgd is not None and step > self.start_powerSGD_iter:
+            return self.powersgd.nbytes()
+        return plain
+
     def _reduce(self, step: int, gradients: list[list[Tensor]]) -> Tensor:
         """The all-reduce of ``step`` starts: its mean; the joiners waiting now take part from the next step."""
         if self.waiting:
             admitted, self.waiting = self.waiting, []
             self.members = sorted(self.members + admitted)
             self.owed[step] = (min(self.step_members[step]), admitted)
-        return self._mean(gradients)
+        mean = self._mean(gradients)  # also refuses a non-finite gradient by its worker
+        if self.hook is None:
+            return mean
+        if self.powersgd is not None and len(gradients) != self.powersgd.workers:
+            raise ValueError("the powersgd hook keeps one error per worker: it is not simulated with churn")
+        assert self.hook == "fp16" or self.powersgd is not None
+        parts = fp16_mean(gradients) if self.hook == "fp16" else self.powersgd.mean(gradients)
+        return torch.cat([part.reshape(-1) for part in parts])
 
     def _send_state(self, sender: int, step: int) -> None:
         """``sender`` (a present worker holding the model after ``step``) sends it to the joiners owed it (each
