@@ -88,6 +88,13 @@ def encoded_nbytes(num_elements: int, codec: str) -> int:
     return num_elements + 4 * num_blocks(num_elements)
 
 
+def encoded_chunks_nbytes(num_elements: int, ranks: int, codec: str) -> int:
+    """The encoded bytes of a vector of ``num_elements`` cut into the ``ranks`` owners' chunks: the size a compressed
+    synchronization reduces and gathers (a float32 one's is ``4 * num_elements``)."""
+    bounds = chunk_bounds(num_elements, list(range(ranks))).values()
+    return sum(encoded_nbytes(stop - start, codec) for start, stop in bounds)
+
+
 def compress_chunks(
     update: Tensor, residual: Tensor, codec: str, bounds: Sequence[tuple[int, int]]
 ) -> tuple[list[Encoded], Tensor]:

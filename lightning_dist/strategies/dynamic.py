@@ -21,6 +21,7 @@ from lightning_dist.algorithms.averaging import (
     squared_distance_sum,
     sync_probe_bytes,
 )
+from lightning_dist.algorithms.compression import encoded_chunks_nbytes
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
 from lightning_dist.strategies._subset_average import SubsetAverage
@@ -220,10 +221,12 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         time include an accelerator's work."""
         vector = self.model_vector  # sizes only: no flat copy of the model
         dtype = accumulation_dtype(vector.dtype)
-        sync_bytes = accumulated_nbytes(vector.numel, vector.dtype)
-        probe_elements = max(sync_probe_bytes(sync_bytes) // (sync_bytes // vector.numel), 1)
+        element_size = accumulated_nbytes(1, vector.dtype)
+        sync_bytes = (accumulated_nbytes(vector.numel, vector.dtype) if self.compression is None
+                      else encoded_chunks_nbytes(vector.numel, self.comm.world_size, self.compression))
+        probe_elements = max(sync_probe_bytes(sync_bytes) // element_size, 1)
         probe = torch.zeros(probe_elements, dtype=dtype, device=self.root_device)
-        self._probe_parts = vector.numel / probe_elements
+        self._probe_parts = sync_bytes / (probe_elements * element_size)
         small = torch.zeros(1, dtype=torch.float64, device=self.root_device)
         self.comm.all_reduce_sum_(small, "protocol")
         times = []

@@ -70,3 +70,18 @@ def test_compression_needs_the_strategy_topology_and_every_worker():
         PeriodicAveraging(compression="int8", topology="strategy", client_fraction=0.5)
     with pytest.raises(ValueError, match="compression must be None or one of"):
         DynamicAveraging(compression="int4", topology="strategy")
+
+
+def test_the_measured_threshold_probes_the_compressed_synchronization():
+    """With the threshold measured in the run, the probes estimate what a synchronization will send: the encoded
+    chunks (a quarter of float32's with int8), so a cheap compressed synchronization gets a short period."""
+    from lightning_dist.algorithms.averaging import sync_probe_bytes
+    from lightning_dist.algorithms.compression import encoded_chunks_nbytes
+
+    protocol = DynamicAveraging(check_every=3, calibration_steps=9, topology="strategy", compression="int8")
+    sim, _ = run(protocol, 4, 3)
+    numel = sim.replicas[0].get().numel()
+    encoded = encoded_chunks_nbytes(numel, 4, "int8")
+    assert encoded < numel * 4 / 3.9
+    assert protocol.calibration.probe_bytes == sync_probe_bytes(encoded)
+    assert protocol.calibration.parts == encoded / sync_probe_bytes(encoded)

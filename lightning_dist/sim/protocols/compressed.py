@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_compression
-from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
+from lightning_dist.algorithms.compression import compressed_mean, encoded_chunks_nbytes
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.sim.engine import Node
@@ -46,7 +46,7 @@ class CompressedSync:
         self.bounds = list(chunk_bounds(common.numel(), list(range(workers))).values())
         self.worker_residuals = [torch.zeros(common.numel()) for _ in range(workers)]
         self.owner_residuals = [torch.zeros(stop - start) for start, stop in self.bounds]
-        self.nbytes = sum(encoded_nbytes(stop - start, codec) for start, stop in self.bounds)
+        self.nbytes = encoded_chunks_nbytes(common.numel(), workers, codec)
 
     def synchronize(self, node: Node, key: Hashable, workers: list[int], local: Tensor,
                     outer: OuterStep | None) -> Program:

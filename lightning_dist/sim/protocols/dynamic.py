@@ -114,6 +114,7 @@ from lightning_dist.algorithms.averaging import (
     squared_distance,
     weighted_average,
 )
+from lightning_dist.algorithms.compression import encoded_chunks_nbytes
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Message, Node
 from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
@@ -196,7 +197,12 @@ class DynamicAveraging(Protocol):
         self._thresholds = [self.divergence_threshold] * simulation.num_workers
         self.calibration_period = None
         model = self.reference_model  # a full synchronisation's bytes: a model to the coordinator, or the all-reduce's
-        model_bytes = model.nbytes if self.topology == "server" else accumulated_nbytes(model.numel(), model.dtype)
+        if self.topology == "server":
+            model_bytes = model.nbytes
+        elif self.compression is None:
+            model_bytes = accumulated_nbytes(model.numel(), model.dtype)
+        else:
+            model_bytes = encoded_chunks_nbytes(model.numel(), simulation.num_workers, self.compression)
         self.calibration = Calibration(
             self.check_every, self.calibration_steps, self.sync_overhead, simulation.num_workers, model_bytes
         )
