@@ -46,3 +46,10 @@ def run_ranks(
 
 def load_results(out_dir: Path, nprocs: int) -> list[dict[str, Any]]:
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
+
+
+def run_case_ranks(nprocs: int, worker: str, cases: dict[str, dict[str, Any]], out_dir: Path) -> dict[str, list[Any]]:
+    """One launch of a hand-set-case worker (tests/helpers/cases.py) for every case: ``{name: [rank 0's result, ...]}``."""
+    run_ranks(nprocs, worker, {"cases": list(cases.values())}, out_dir)
+    per_rank = load_results(out_dir, nprocs)
+    return {name: [per_rank[rank][index] for rank in range(nprocs)] for index, name in enumerate(cases)}

@@ -7,7 +7,7 @@ One 3-process launch runs hand-set synchronizations (int8 and bf16 codecs, a bfl
 import pytest
 import torch
 
-from helpers.launch import load_results, run_ranks
+from helpers.launch import run_case_ranks
 from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
 from lightning_dist.algorithms.subset_average import chunk_bounds
 
@@ -23,9 +23,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def synchronizations(tmp_path_factory):
     out = tmp_path_factory.mktemp("compressed")
-    run_ranks(WORLD, "compressed", {"cases": list(CASES.values())}, out)
-    per_rank = load_results(out, WORLD)
-    return {name: [per_rank[rank][index] for rank in range(WORLD)] for index, name in enumerate(CASES)}
+    return run_case_ranks(WORLD, "compressed", CASES, out)
 
 
 @pytest.mark.parametrize("case", ["int8", "bf16", "int8_bf16_model"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lightning_dist
-from helpers.launch import load_results, run_ranks
+from helpers.launch import load_results, run_case_ranks, run_ranks
 from lightning_dist import SegmentedGossipStrategy
 from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.algorithms.segmented_gossip import gossip_round, pull_plan, segment_bounds, transfers
@@ -41,9 +41,7 @@ CASES = {
 def rounds(tmp_path_factory):
     """Per case name, the 4 ranks' results of one round (one torchrun launch for all cases)."""
     out = tmp_path_factory.mktemp("segmented_gossip_rounds")
-    run_ranks(WORLD, "segmented_gossip", {"cases": list(CASES.values())}, out)
-    per_rank = load_results(out, WORLD)
-    return {name: [per_rank[rank][index] for rank in range(WORLD)] for index, name in enumerate(CASES)}
+    return run_case_ranks(WORLD, "segmented_gossip", CASES, out)
 
 
 def _plan(case):

@@ -8,7 +8,6 @@ protocol does (``synchronize_all``, then ``set_common_model``). Per-case results
 comparison with ``compressed_mean``. Usage: see tests/helpers/launch.py.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,9 @@ from torch import nn
 from lightning_dist.comm import Communicator
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies import PeriodicAveragingStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers
+from helpers.cases import run_cases  # noqa: E402
 
 
 def deltas_of(case: dict, world_size: int, numel: int) -> torch.Tensor:
@@ -58,14 +60,5 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
             "stats": strategy.comm.stats, "vector": strategy.model_vector.get()}
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    results = [run_case(case, rank, world_size) for case in spec["cases"]]
-    torch.save(results, Path(spec["out"]) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(run_case)

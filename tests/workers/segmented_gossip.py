@@ -9,7 +9,6 @@ instead of the round; ``dtype`` (default float32) is the module's, ``identical``
 definition. Usage: see tests/helpers/launch.py.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,9 @@ from torch import nn
 from lightning_dist.comm import Communicator
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies import SegmentedGossipStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers
+from helpers.cases import run_cases  # noqa: E402
 
 BUFFER_SIZE = 3
 
@@ -65,14 +67,5 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     }
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    results = [run_case(case, rank, world_size) for case in spec["cases"]]
-    torch.save(results, Path(spec["out"]) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(run_case)

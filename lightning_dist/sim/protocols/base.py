@@ -31,6 +31,17 @@ def check_topology(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def all_finite(node: Node, key: Any, workers: list[int], local: Tensor, refusing: str) -> Program:
+    """The strategies' check before an exchange: every worker all-gathers a 1-byte finiteness flag, and all raise,
+    naming the workers whose model is non-finite, before anything is ``refusing`` (e.g. "to average them")."""
+    flags = yield from node.all_gather(("finite", key), workers, bool(torch.isfinite(local).all()), nbytes=1)
+    if not all(flags):
+        raise NonFiniteModelError(
+            f"workers {[worker for worker, finite in enumerate(flags) if not finite]} have non-finite models; "
+            f"refusing {refusing}"
+        )
+
+
 def checked_mean(models: list[Tensor]) -> Tensor:
     """The mean of the workers' models (in worker order), refusing a non-finite one by its worker: what an
     all-reduce of every worker's model gives."""

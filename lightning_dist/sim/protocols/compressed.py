@@ -22,8 +22,7 @@ from lightning_dist.algorithms.compression import compressed_mean, encoded_chunk
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.sim.engine import Node
-from lightning_dist.sim.protocols.base import Program
-from lightning_dist.sim.replica import NonFiniteModelError
+from lightning_dist.sim.protocols.base import Program, all_finite
 
 
 def check_simulated_compression(compression: object, topology: str, client_fraction: float = 1.0) -> str | None:
@@ -51,13 +50,7 @@ class CompressedSync:
     def synchronize(self, node: Node, key: Hashable, workers: list[int], local: Tensor,
                     outer: OuterStep | None) -> Program:
         """Join the synchronization ``key``; returns the model every worker continues from (the same on all)."""
-        finite = bool(torch.isfinite(local).all())
-        flags = yield from node.all_gather(("finite", key), workers, finite, nbytes=1)
-        if not all(flags):
-            raise NonFiniteModelError(
-                f"workers {[worker for worker, flag in enumerate(flags) if not flag]} have non-finite models; "
-                "refusing to average them"
-            )
+        yield from all_finite(node, key, workers, local, "to average them")
         return (yield from node.all_reduce(key, workers, local, lambda models: self._combine(models, outer),
                                            nbytes=self.nbytes))
 

@@ -47,11 +47,11 @@ from lightning_dist.algorithms.arguments import (
 from lightning_dist.algorithms.averaging import accumulated_nbytes, sample_participants, weighted_average
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.sim.engine import Node
-from lightning_dist.sim.protocols.base import Program, Protocol, check_topology, checked_mean
+from lightning_dist.sim.protocols.base import Program, Protocol, all_finite, check_topology, checked_mean
 from lightning_dist.sim.protocols.compressed import CompressedSync, check_simulated_compression
 from lightning_dist.sim.protocols.membership import Membership, request_admission
 from lightning_dist.sim.protocols.subset_average import SubsetAverage
-from lightning_dist.sim.replica import NonFiniteModelError, check_finite
+from lightning_dist.sim.replica import check_finite
 
 
 class PeriodicAveraging(Protocol):
@@ -153,13 +153,7 @@ class PeriodicAveraging(Protocol):
             nbytes = accumulated_nbytes(local.numel(), local.dtype)
             combine = checked_mean if self.outer is None else lambda models: self.outer.step(checked_mean(models))
             return (yield from node.all_reduce(("average", round_index), workers, local, combine, nbytes=nbytes))
-        finite = bool(torch.isfinite(local).all())
-        flags = yield from node.all_gather(("finite", round_index), workers, finite, nbytes=1)
-        if not all(flags):
-            raise NonFiniteModelError(
-                f"workers {[worker for worker, finite in enumerate(flags) if not finite]} have non-finite models; "
-                "refusing to average them"
-            )
+        yield from all_finite(node, round_index, workers, local, "to average them")
         averaging = SubsetAverage(node, local)
         yield from averaging.reduce(participants, participants, tag=("reduce", round_index))
         return (yield from averaging.gather(tag=("gather", round_index)))

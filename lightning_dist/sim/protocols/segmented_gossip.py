@@ -57,8 +57,8 @@ from lightning_dist.algorithms.segmented_gossip import (
     transfers,
 )
 from lightning_dist.sim.engine import Message, Node
-from lightning_dist.sim.protocols.base import Program, Protocol, check_topology
-from lightning_dist.sim.replica import NonFiniteModelError, check_finite
+from lightning_dist.sim.protocols.base import Program, Protocol, all_finite, check_topology
+from lightning_dist.sim.replica import check_finite
 
 
 class SegmentedGossip(Protocol):
@@ -134,13 +134,7 @@ class SegmentedGossip(Protocol):
         local = replica.get()
         if self.topology == "strategy":
             workers = list(range(self.simulation.num_workers))
-            finite = bool(torch.isfinite(local).all())
-            flags = yield from node.all_gather(("finite", round_index), workers, finite, nbytes=1)
-            if not all(flags):
-                raise NonFiniteModelError(
-                    f"workers {[worker for worker, ok in enumerate(flags) if not ok]} have non-finite models; "
-                    "refusing to exchange them"
-                )
+            yield from all_finite(node, round_index, workers, local, "to exchange them")
         check_finite(local, rank)
         tag = ("segments", round_index)
         pulls = {}
