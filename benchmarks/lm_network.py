@@ -23,7 +23,9 @@ receives (``benchmarks/netns.py``; Gloo over TCP), so every byte crosses a slow 
   synchronizing is cheap: fewer bytes);
 - ``periodic_h50_int8``, ``dynamic_default_int8``: the same with ``compression="int8"`` (full
   synchronizations send int8 deltas from the common model, with error feedback);
-- ``segmented_gossip``: paper 002, ``S = 4``, ``R = 2``, every 10 steps;
+- ``segmented_gossip``: paper 002, ``S = 4``, ``R = 2``, every 10 steps; ``gossip_p20_r1``,
+  ``gossip_p50_r1``, ``gossip_p50_r2``: the sweep at the slow link (``R`` peers, every 20 or 50 steps;
+  a round costs a rank ``R`` models in and about as many out, where a ring all-reduce costs 1.5);
 - ``downpour``, ``downpour_p50``: asynchronous DownpourSGD (updates divided by their staleness plus
   one, the default), a push every 5 and every 50 steps (rank 0's port carries every other rank's
   push and reply: 6 models a round with 4 ranks, about 13 s at 20 Mbit/s);
@@ -136,6 +138,12 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
          "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY, compression="int8")},
         {"name": "segmented_gossip", "kind": "gossip", "label": "segmented gossip S=4 R=2, every 10 steps",
          "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=2, period=10)},
+        {"name": "gossip_p20_r1", "kind": "gossip", "label": "segmented gossip S=4 R=1, every 20 steps",
+         "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=1, period=20)},
+        {"name": "gossip_p50_r1", "kind": "gossip", "label": "segmented gossip S=4 R=1, every 50 steps",
+         "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=1, period=50)},
+        {"name": "gossip_p50_r2", "kind": "gossip", "label": "segmented gossip S=4 R=2, every 50 steps",
+         "strategy": strategy("SegmentedGossipStrategy", segments=4, replicas=2, period=50)},
         {"name": "downpour", "kind": "downpour", "label": "DownpourSGD async, push every 5 steps",
          "strategy": strategy("DownpourSGDStrategy", push_every=5)},
         {"name": "downpour_p50", "kind": "downpour", "label": "DownpourSGD async, push every 50 steps",
