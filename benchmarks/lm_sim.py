@@ -218,6 +218,14 @@ def merged_scale(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[
     return sorted(runs, key=lambda run: (run["workers"], run["name"]))
 
 
+def merged_prediction(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Part 1's cells: ``kept`` with the (method, bandwidth) cells predicted again replaced in place, the others
+    of ``new`` after them (``--methods`` re-predicts some methods and keeps the rest)."""
+    fresh = {(cell["name"], cell["node_mbit"]): cell for cell in new}
+    cells = [fresh.pop((cell["name"], cell["node_mbit"]), cell) for cell in kept]
+    return cells + list(fresh.values())
+
+
 def ratio(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured if predicted and measured else None
 
@@ -334,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--predict-only", action="store_true")
     parser.add_argument("--scale-only", action="store_true")
     parser.add_argument("--replot", action="store_true")
-    parser.add_argument("--methods", nargs="+", default=None, help="methods of part 1 (default: every measured one)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="methods of part 1, whose cells replace theirs in the JSON (default: every measured one, anew)")
     parser.add_argument("--scale-workers", type=int, nargs="+", default=SCALE_WORKERS)
     parser.add_argument("--scale-methods", nargs="+", default=SCALE_METHODS)
     parser.add_argument("--scale-mbit", type=float, default=None, help="bandwidth of part 2 (default: the headline)")
@@ -360,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step_s:.4f} s and ceiling {ceiling_mbit:.0f} Mbit/s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
         if not args.scale_only:
             print("part 1: prediction of the measured table")
-            report["prediction"] = predict(args, measured, step_s, ceiling_mbit)
+            predicted = predict(args, measured, step_s, ceiling_mbit)
+            report["prediction"] = merged_prediction(report.get("prediction", []), predicted) if args.methods else predicted
         if not args.predict_only:
             print(f"part 2: {args.scale_workers} workers at {args.scale_mbit:g} Mbit/s")
             report["scale"] = merged_scale(report.get("scale", []), scale(args, measured, step_s, ceiling_mbit))
