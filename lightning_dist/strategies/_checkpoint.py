@@ -8,7 +8,8 @@ A local-update run has one replica per rank, so a checkpoint holds more than Lig
   rank's part: its replica, optimizer state, the precision plugin's state (the loss scaler of
   ``precision="16-mixed"``: with no gradient all-reduce tying them, each rank's scale follows its
   own gradients), communication counters, per-rank protocol state, the state of compressed
-  exchanges (the common model and the error-feedback residuals) and RNG states. Each rank pickles its part on the host and sends it to rank 0, which writes the file.
+  exchanges (the common model and the error-feedback residuals) and RNG states. Each rank
+  pickles its part on the host and sends it to rank 0, which writes the file.
 
 Resumed by as many processes as wrote it, every rank continues from its own part, bit for bit;
 resumed by another number, the rule of :mod:`lightning_dist.strategies._resize` applies.
@@ -125,7 +126,8 @@ class ReplicaCheckpoints:
             return
         written_by, rank = state["world_size"], self.comm.rank
         replicas = state["replicas"]
-        consensus = self.model_vector.get()  # the checkpoint's state_dict, the same on every rank
+        # The checkpoint's state_dict, the same on every rank: what compressed exchanges restart from at another size.
+        consensus = self.model_vector.get() if self._compressed is not None else None
         replica = replicas[nearest_saved_rank(rank, written_by)]
         # Global counters first: a strategy whose counts are per rank (DownpourSGD's pushes) sets its own below.
         self._local_steps = state["local_steps"]
@@ -151,7 +153,7 @@ class ReplicaCheckpoints:
         random.setstate(replica["python_rng"])
         np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
 
-    def _resume_compression(self, saved: Mapping[str, Any] | None, consensus: Tensor) -> None:
+    def _resume_compression(self, saved: Mapping[str, Any] | None, consensus: Tensor | None) -> None:
         """A compressed exchange's state: this rank's own at the same world size; else (another world size, or a
         checkpoint written without compression) deltas from the checkpoint's consensus, residuals at zero: the
         updates they held, a few quantization errors' worth, are dropped (the chunks they were owed are re-cut)."""
@@ -160,6 +162,7 @@ class ReplicaCheckpoints:
         if saved is not None:
             self._compressed.load_state_dict(saved, self.root_device)
         else:
+            assert consensus is not None
             self._compressed.restart(consensus)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

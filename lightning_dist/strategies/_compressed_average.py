@@ -62,7 +62,8 @@ class CompressedAverage:
         if self.residual is None or self.owner_residual is None:
             self.residual = torch.zeros(local.numel(), dtype=torch.float32, device=local.device)
             self.owner_residual = torch.zeros(stop - start, dtype=torch.float32, device=local.device)
-        delta = local.to(torch.float32) - self.common.to(torch.float32)
+        common = self.common.to(torch.float32)
+        delta = local.to(torch.float32) - common
         pieces, self.residual = compress_chunks(delta, self.residual, self.codec, list(bounds.values()))
         received = self._exchange(comm, {owner: pieces[owner] for owner in ranks if owner != rank},
                                   {source: bounds[rank] for source in ranks if source != rank}, purpose)
@@ -74,7 +75,7 @@ class CompressedAverage:
                                   {owner: bounds[owner] for owner in ranks if owner != rank}, purpose)
         gathered[rank] = mean_piece
         applied = torch.cat([decode(gathered[owner], self.codec) for owner in ranks])
-        return (self.common.to(torch.float32) + applied).to(local.dtype)
+        return applied.add_(common).to(local.dtype)
 
     def _exchange(self, comm: Communicator, outgoing: dict[int, Encoded], incoming: dict[int, tuple[int, int]],
                   purpose: str) -> dict[int, Encoded]:

@@ -226,7 +226,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         checkpoint written after this ``fit`` would push ``final - pulled``: every update the other
         ranks pushed since, a second time. The version comes from the server (8 bytes from rank 0).
         """
-        version = torch.tensor([self._server.snapshot()[1] if self._server is not None else 0], device=self.root_device)
+        version = torch.tensor([self._server.version() if self._server is not None else 0], device=self.root_device)
         self.comm.broadcast_(version, src=SERVER_RANK, purpose="final")
         self._pulled = vector.detach().cpu().clone()
         self._pulled_version = int(version.item())

@@ -139,6 +139,11 @@ class ParameterServer:
             assert self._local_reply is not None
             return self._local_reply
 
+    def version(self) -> int:
+        """The global model's version now (no copy of the model)."""
+        with self._state:
+            return self.model.version
+
     def snapshot(self) -> tuple[Tensor, int]:
         """A consistent copy of the global model and its version."""
         with self._state:
