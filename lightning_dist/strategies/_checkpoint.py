@@ -97,8 +97,7 @@ class ReplicaCheckpoints:
             "precision": apply_to_collection(self.precision_plugin.state_dict(), Tensor, Tensor.cpu),
             "comm": self.comm.stats.state_dict(),
             "worker": apply_to_collection(self.worker_state_dict(), Tensor, Tensor.cpu),
-            "compression": None if self._compressed is None else apply_to_collection(
-                self._compressed.state_dict(), Tensor, Tensor.cpu),
+            "compression": apply_to_collection(self.compression_state_dict(), Tensor, Tensor.cpu),
             "torch_rng": torch.get_rng_state(),
             # This rank's GPU only: get_rng_state_all() would start a CUDA context on every visible GPU.
             "cuda_rng": [torch.cuda.get_rng_state(self.root_device)] if self.root_device.type == "cuda" else [],
@@ -127,7 +126,7 @@ class ReplicaCheckpoints:
         written_by, rank = state["world_size"], self.comm.rank
         replicas = state["replicas"]
         # The checkpoint's state_dict, the same on every rank: what compressed exchanges restart from at another size.
-        consensus = self.model_vector.get() if self._compressed is not None else None
+        consensus = self.model_vector.get() if self.compression is not None else None
         replica = replicas[nearest_saved_rank(rank, written_by)]
         # Global counters first: a strategy whose counts are per rank (DownpourSGD's pushes) sets its own below.
         self._local_steps = state["local_steps"]
@@ -152,6 +151,10 @@ class ReplicaCheckpoints:
             torch.cuda.set_rng_state(cuda_rng, self.root_device)
         random.setstate(replica["python_rng"])
         np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
+
+    def compression_state_dict(self) -> dict[str, Any] | None:
+        """This rank's compressed exchanges' state (residuals), its checkpoint part's ``"compression"``."""
+        return None if self._compressed is None else self._compressed.state_dict()
 
     def _resume_compression(self, saved: Mapping[str, Any] | None, consensus: Tensor | None) -> None:
         """A compressed exchange's state: this rank's own at the same world size; else (another world size, or a

@@ -33,7 +33,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dist._resize import counters_kept_in_total
-from lightning_dist.algorithms.arguments import check_flag, check_steps
+from lightning_dist.algorithms.arguments import check_compression, check_flag, check_steps
+from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.compressed_pushes import CompressedPushes, CompressedReplies, reply_nbytes
 from lightning_dist.algorithms.parameter_server import GlobalModel, check_max_staleness, push_message
 from lightning_dist.comm import CommStats, Communicator, new_group
 from lightning_dist.strategies._resize import resized_comm_stats
@@ -73,6 +75,11 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             the updates of 4 ranks training the package's language model with AdamW ended at loss 3.28
             where the averaging strategies passed 2.68. No effect with ``synchronous=True``
             (staleness 0).
+        compression: None (default): pushes and replies travel in float32. ``"bf16"`` or ``"int8"``: a
+            push is the update in that format with error feedback, a reply the global model's change
+            since what the worker holds (:mod:`lightning_dist.algorithms.compressed_pushes`): half or
+            about a quarter of the bytes through the server's port. Rank 0's own pushes are local
+            calls and stay exact.
         finish_timeout: seconds rank 0 waits at the end of ``fit`` for the other ranks to finish
             their last steps.
         **kwargs: passed to :class:`LocalUpdateStrategy` (``seed`` and Lightning's DDP arguments).
@@ -86,6 +93,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         synchronous: bool = False,
         max_staleness: int | None = None,
         staleness_aware: bool = True,
+        compression: str | None = None,
         finish_timeout: float = 1800.0,
         **kwargs: Any,
     ) -> None:
@@ -95,9 +103,10 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         check_flag("staleness_aware", staleness_aware)
         if not (isinstance(finish_timeout, (int, float)) and finish_timeout > 0):
             raise ValueError(f"finish_timeout must be a number of seconds > 0; got {finish_timeout!r}")
-        if kwargs.get("compression") is not None:
-            raise ValueError("DownpourSGDStrategy does not support compression: pushes and replies travel in float32")
+        codec = check_compression(compression)
+        # Not the base class's compressed full synchronizations: Downpour has none (its consensus is a broadcast).
         super().__init__(**kwargs)
+        self.compression = codec
         self.push_every = push_every
         self.synchronous = synchronous
         self.max_staleness = max_staleness
@@ -110,6 +119,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._pulled_version = 0
         self._steps_since_push = 0
         self._rejected_pushes = 0
+        self._pushes: CompressedPushes | None = None
+        self._restarted_mirror: Tensor | None = None
         self._restored_server: Mapping[str, Any] | None = None
         self._checkpoint_server_state: dict[str, Any] | None = None
         self._final_server_state: dict[str, Any] | None = None
@@ -140,20 +151,34 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._pulled = vector.detach().cpu().clone()
         self._pulled_version = 0
         self._steps_since_push = 0
+        if self.compression is not None:
+            self._pushes = CompressedPushes(self.compression, self._pulled, self.model_vector.num_parameters)
 
     def on_train_start(self) -> None:
         super().on_train_start()
         ps_comm = self._require_ps_comm()
         if ps_comm.rank == SERVER_RANK:
             assert self._pulled is not None
-            model = GlobalModel(self._pulled, self.model_vector.num_parameters, ps_comm.world_size,
-                                self.max_staleness, self.staleness_aware)
+            num_parameters = self.model_vector.num_parameters
+            model = GlobalModel(self._pulled, num_parameters, ps_comm.world_size, self.max_staleness,
+                                self.staleness_aware)
             if self._restored_server is not None:
                 model.load_state_dict(self._restored_server)
-            self._server = ParameterServer(ps_comm, model, self.synchronous)
+            replies = None
+            if self.compression is not None:
+                mirror = self._pulled if self._restarted_mirror is None else self._restarted_mirror
+                replies = CompressedReplies(self.compression, mirror, num_parameters, ps_comm.world_size)
+                if self._restarted_mirror is None and self._restored_server is not None:
+                    replies.load_state_dict(self._restored_server["replies"])
+            self._server = ParameterServer(ps_comm, model, self.synchronous, replies)
             self._server.start()
         else:
-            self._client = ParameterServerClient(ps_comm, bounded=self.max_staleness is not None)
+            assert self._pulled is not None
+            if self.compression is None:
+                reply_like = torch.empty(self._pulled.numel(), dtype=accumulation_dtype(self._pulled.dtype))
+            else:
+                reply_like = torch.empty(reply_nbytes(self._pulled.numel(), self.compression), dtype=torch.uint8)
+            self._client = ParameterServerClient(ps_comm, self.max_staleness is not None, reply_like)
         # No push may reach the server before it exists and holds the restored state.
         dist.barrier(group=self.comm.group)
 
@@ -170,12 +195,18 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         message = push_message(local, self._pulled, self.model_vector.num_parameters)
         if self._server is not None:
             reply = self._server.push_local(message, self._pulled_version)
-        else:
+            vector = reply.vector
+        elif self._pushes is None:
             assert self._client is not None
             reply = self._client.push(message, self._pulled_version)
+            vector = reply.vector
+        else:
+            assert self._client is not None
+            reply = self._client.push(self._pushes.encode_push(message), self._pulled_version)
+            vector = self._pushes.decode_reply(reply.vector)
         if not reply.applied:
             self._rejected_pushes += 1
-        self.model_vector.set(reply.vector.to(self.root_device))
+        self.model_vector.set(vector.to(self.root_device))
         # What the replica now holds (the float32 reply rounded to the model's dtype), so the next
         # update is exactly the local change and the server's float32 bits are never pushed back.
         self._pulled = self.model_vector.get().cpu()
@@ -332,6 +363,25 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._syncs = int(state.get("pushes", self._syncs))  # per rank: ranks push at their own pace
         if state.get("ps_comm") is not None:
             self._require_ps_comm().stats = CommStats.from_state_dict(state["ps_comm"])
+
+    def compression_state_dict(self) -> dict[str, Any] | None:
+        """This worker's push residual and mirror (the server's mirrors are in the protocol state)."""
+        return None if self._pushes is None else self._pushes.state_dict()
+
+    def _resume_compression(self, saved: Mapping[str, Any] | None, consensus: Tensor | None) -> None:
+        """The worker's own residual and mirror at the same world size; else (another world size, or a checkpoint
+        written without compression) every mirror, the workers' and the server's, restarts at the checkpoint's
+        consensus with no residual, as every worker restarts from that model (its residual, a few quantization
+        errors' worth of pushed updates, is dropped with the rest of its unpushed progress)."""
+        if self._pushes is None:
+            return
+        if saved is not None:
+            self._pushes.load_state_dict(dict(saved))
+            self._restarted_mirror = None
+        else:
+            assert consensus is not None
+            self._pushes = CompressedPushes(self.compression, consensus.cpu(), self.model_vector.num_parameters)
+            self._restarted_mirror = self._pushes.mirror.clone()
 
     def _require_ps_comm(self) -> Communicator:
         if self._ps_comm is None:

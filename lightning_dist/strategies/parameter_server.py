@@ -18,7 +18,10 @@ Why this shape:
   then answers all of them: a barrier per round.
 - Vectors on the wire are in the server's master dtype (float32 for a bf16/fp16 model): a push
   is ``push_message`` (parameter update, then absolute buffers), a reply the global model; the
-  worker converts the reply into its model's dtype.
+  worker converts the reply into its model's dtype. With ``compression`` a push is that message
+  compressed by the worker and a reply the compressed change since the worker's mirror
+  (:mod:`lightning_dist.algorithms.compressed_pushes`): the server decodes pushes and encodes
+  replies; rank 0's own worker calls the server directly, uncompressed, since it sends no bytes.
 - Failure: a worker that raises sends ``ABORT``; the server then answers every later request, and
   every worker blocked in a synchronous round, with ``ABORTED`` naming the failed rank, so all
   ranks stop with a clear error instead of waiting forever.
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dist.algorithms.compressed_pushes import CompressedReplies
 from lightning_dist.algorithms.parameter_server import GlobalModel, NonFiniteUpdateError, PushOutcome, check_finite
 from lightning_dist.comm import Communicator
 
@@ -93,11 +97,14 @@ class ParameterServer:
         comm: communicator on the dedicated Gloo group (holding every rank).
         model: the global model and its update rule.
         synchronous: collect one update per active worker per round and answer them together.
+        replies: with compression, decodes the other ranks' pushes and encodes their replies.
     """
 
-    def __init__(self, comm: Communicator, model: GlobalModel, synchronous: bool) -> None:
+    def __init__(self, comm: Communicator, model: GlobalModel, synchronous: bool,
+                 replies: CompressedReplies | None = None) -> None:
         self.model = model
         self.synchronous = synchronous
+        self.replies = replies
         self._channel = _Channel(comm)
         self._state = threading.Condition()
         self._remote = set(range(comm.world_size)) - {SERVER_RANK}
@@ -150,8 +157,12 @@ class ParameterServer:
             return self.model.vector.clone(), self.model.version
 
     def state_dict(self) -> dict:
+        """The global model's state and, with compression, the reply mirrors (taken under one lock: they agree)."""
         with self._state:
-            return self.model.state_dict()
+            state = self.model.state_dict()
+            if self.replies is not None:
+                state["replies"] = self.replies.state_dict()
+            return state
 
     def metrics(self) -> dict[str, float]:
         with self._state:
@@ -220,7 +231,10 @@ class ParameterServer:
                 self._send_reply(sender, self._reply_of(outcome, vector))
                 return
             self._channel.send(_header(GO), sender, HEADER_TAG)
-        update = self._channel.recv_vector(self.model.vector, sender)
+        if self.replies is None:
+            update = self._channel.recv_vector(self.model.vector, sender)
+        else:
+            update = self.replies.decode_push(self._channel.recv_vector(self.replies.push_like(), sender))
         with self._state:
             if self._abort_reason is not None:
                 self._tell_aborted(sender)
@@ -285,16 +299,24 @@ class ParameterServer:
     def _send_reply(self, rank: int, reply: Reply) -> None:
         self._channel.send(_header(APPLIED if reply.applied else STALE, reply.version, reply.staleness), rank,
                            HEADER_TAG)
-        self._channel.send(reply.vector, rank, VECTOR_TAG)
+        vector = reply.vector if self.replies is None else self.replies.encode_reply(rank, reply.vector)
+        self._channel.send(vector, rank, VECTOR_TAG)
 
 
 class ParameterServerClient:
-    """A worker's side (every rank but 0): push the accumulated update, receive the global model."""
+    """A worker's side (every rank but 0): push the accumulated update, receive the global model.
 
-    def __init__(self, comm: Communicator, bounded: bool) -> None:
+    Args:
+        comm: communicator on the dedicated Gloo group.
+        bounded: the server bounds staleness (a header round trip before each update).
+        reply_like: an empty tensor of a reply's size and dtype (the global model, or a compressed reply).
+    """
+
+    def __init__(self, comm: Communicator, bounded: bool, reply_like: Tensor) -> None:
         self._channel = _Channel(comm)
         self._rank = comm.rank
         self._bounded = bounded
+        self._reply_like = reply_like
         self.closed = False
 
     def push(self, update: Tensor, pulled_version: int) -> Reply:
@@ -308,7 +330,7 @@ class ParameterServerClient:
             self._channel.send(update, SERVER_RANK, VECTOR_TAG)
             header = self._receive_header()
         status, version, staleness, _ = header
-        vector = self._channel.recv_vector(update, SERVER_RANK)
+        vector = self._channel.recv_vector(self._reply_like, SERVER_RANK)
         return Reply(status == APPLIED, version, staleness, vector)
 
     def done(self) -> None:

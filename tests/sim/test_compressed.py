@@ -1,11 +1,13 @@
-"""The strategies' compressed full synchronization in the simulator: compressed_mean's models, the strategy's bytes."""
+"""The strategies' compressed exchanges in the simulator: compressed_mean's models and DownpourSGD's compressed pushes
+and replies, with the strategies' bytes."""
 
 import pytest
 import torch
 
+from lightning_dist.algorithms.compressed_pushes import push_nbytes, reply_nbytes
 from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
 from lightning_dist.algorithms.subset_average import chunk_bounds
-from lightning_dist.sim import DynamicAveraging, PeriodicAveraging
+from lightning_dist.sim import DynamicAveraging, ParameterServer, PeriodicAveraging
 from sim.test_topologies import run
 
 
@@ -85,3 +87,46 @@ def test_the_measured_threshold_probes_the_compressed_synchronization():
     assert encoded < numel * 4 / 3.9
     assert protocol.calibration.probe_bytes == sync_probe_bytes(encoded)
     assert protocol.calibration.parts == encoded / sync_probe_bytes(encoded)
+
+
+class RecordingServer(ParameterServer):
+    """Sums every worker's true parameter update (its replica minus what it last pulled) as it pushes."""
+
+    def setup(self, simulation):
+        super().setup(simulation)
+        self.start = self.store.vector.clone()
+        self.true_updates = torch.zeros_like(self.start)
+
+    def after_step(self, node, rank, step):
+        if step % self.push_every == 0:
+            self.true_updates += self.simulation.replicas[rank].get() - self.pulled[rank]
+        yield from super().after_step(node, rank, step)
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+def test_parameter_server_compresses_pushes_and_replies_as_the_strategy(codec):
+    """3 workers, the server on worker 0's node, pushes every 2 steps, updates added in full: the server holds the
+    start plus every true update minus workers 1 and 2's residuals (worker 0's local calls are exact); every worker
+    holds its mirror, which the server's copy equals bit for bit; each remote push and reply carries the codec's
+    bytes and the strategy's 32-byte header."""
+    workers, push_every, steps = 3, 2, 8
+    protocol = RecordingServer(push_every=push_every, topology="strategy", staleness_aware=False, compression=codec)
+    sim, _ = run(protocol, workers, steps)
+    parameters = sim.replicas[0].vector.num_parameters
+    residuals = sum(protocol.pushes[rank].residual for rank in (1, 2))
+    expected = protocol.start + protocol.true_updates
+    expected[:parameters] -= residuals
+    assert torch.allclose(protocol.store.vector, expected, rtol=0, atol=1e-6)
+    assert float(residuals.abs().max()) > 1e-6 and 0 not in protocol.pushes
+    for rank in (1, 2):
+        assert torch.equal(sim.replicas[rank].get(), protocol.pushes[rank].mirror)
+        assert torch.equal(protocol.replies.mirrors[rank], protocol.pushes[rank].mirror)
+    numel, pushes = sim.replicas[0].get().numel(), steps // push_every
+    push = push_nbytes(parameters, numel - parameters, codec) + 32
+    reply = reply_nbytes(numel, codec) + 32
+    assert sim.simulator.network.bytes_sent == [(workers - 1) * pushes * reply] + [pushes * push] * (workers - 1)
+
+
+def test_parameter_server_refuses_an_unknown_codec():
+    with pytest.raises(ValueError, match="compression must be None or one of 'bf16', 'int8'"):
+        ParameterServer(compression="fp8")

@@ -61,12 +61,13 @@ def test_client_fraction(value):
      r"compression needs client_fraction=1 \(got 0.5\): FedAvg's rounds average a subset"),
     (lambda: lightning_dist.SegmentedGossipStrategy(compression="bf16"),
      r"SegmentedGossipStrategy does not support compression"),
-    (lambda: lightning_dist.DownpourSGDStrategy(compression="int8"), r"DownpourSGDStrategy does not support compression"),
+    (lambda: lightning_dist.DownpourSGDStrategy(compression="int4"), r"compression must be None or one of 'bf16', 'int8'"),
 ])
 def test_compression(build, message):
     with pytest.raises(ValueError, match=message):
         build()
     assert PeriodicAveragingStrategy(compression="int8").compression == "int8"
+    assert lightning_dist.DownpourSGDStrategy(compression="bf16").compression == "bf16"
 
 
 @pytest.mark.parametrize("name", ["dynamic_avg", "periodic_avg", "fedavg"])

@@ -145,6 +145,9 @@ RESIZED = {
                                       "kwargs": {"segments": 4, "replicas": 1, "period": 4}},
                          "data": {"partition": "iid"}},
     "downpour": {"strategy": {"class": "DownpourSGDStrategy", "kwargs": {"push_every": 4, "synchronous": True}}},
+    # Every mirror, the workers' and the server's, restarts at the checkpoint's consensus with no residual.
+    "downpour_int8": {"strategy": {"class": "DownpourSGDStrategy",
+                                   "kwargs": {"push_every": 4, "synchronous": True, "compression": "int8"}}},
 }
 USER_CNN = {"name": "user_cnn", **RESIZED["dynamic"], "user_model": True, "trainer": {"max_epochs": 2}}
 # fp16 with a loss scaler per rank, written with initial scales 2^8 * 2^rank and resumed with 2 * 2^rank.

@@ -145,6 +145,7 @@ def main() -> None:
             metrics=strategy.protocol_metrics(),
             pushes=strategy._syncs,
             accepted_sum=getattr(strategy, "accepted_sum", None),
+            push_residual=None if strategy._pushes is None else strategy._pushes.residual,
             global_step=trainer.global_step,
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
             min_running_var=statistics.min_running_var,

@@ -16,6 +16,11 @@ send: it takes the next push only once its reply has arrived (modelled as the re
 ``max_staleness`` is refused there: the strategy's header round trip before a possibly stale
 update is not modelled.
 
+``compression`` (``"bf16"`` or ``"int8"``) compresses pushes and replies as the strategy does, with
+:mod:`lightning_dist.algorithms.compressed_pushes`' classes (a worker's residual and mirror, the
+server's mirror per worker) and their bytes; with ``topology="strategy"`` worker 0's local calls stay
+exact, as the strategy's rank 0's.
+
 Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`): the server keeps serving. A
 leaving worker's push still on the wire is dropped; the synchronous server's rounds wait for the
 workers present and apply the mean of the updates of those present at the aggregation. A joiner
@@ -30,7 +35,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_flag, check_steps
+from lightning_dist.algorithms.arguments import check_compression, check_flag, check_steps
+from lightning_dist.algorithms.compressed_pushes import CompressedPushes, CompressedReplies
 from lightning_dist.algorithms.parameter_server import (
     GlobalModel,
     check_finite,
@@ -53,10 +59,11 @@ class ParameterServer(Protocol):
         default (:mod:`lightning_dist.algorithms.parameter_server`); False adds it in full (paper 001's ASGD).
     topology: ``"server"`` (a server node of its own) or ``"strategy"`` (the strategy's server thread on
         worker 0's node).
+    compression: None, ``"bf16"`` or ``"int8"``: pushes and replies compressed, as the strategy's.
     """
 
     name = "parameter_server"
-    arguments = ("push_every", "synchronous", "max_staleness", "staleness_aware", "topology")
+    arguments = ("push_every", "synchronous", "max_staleness", "staleness_aware", "topology", "compression")
 
     def __init__(
         self,
@@ -65,6 +72,7 @@ class ParameterServer(Protocol):
         max_staleness: Optional[int] = None,
         staleness_aware: bool = True,
         topology: str = "server",
+        compression: Optional[str] = None,
     ) -> None:
         self.push_every = check_steps("push_every", push_every, "local steps between pushes")
         self.synchronous = check_flag("synchronous", synchronous)
@@ -80,6 +88,7 @@ class ParameterServer(Protocol):
         self.num_servers = 1 if self.topology == "server" else 0
         self.server_on_worker = None if self.topology == "server" else 0
         self.header_bytes = 0 if self.topology == "server" else HEADER_BYTES
+        self.compression = check_compression(compression)
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -93,6 +102,12 @@ class ParameterServer(Protocol):
         self.published = (self.store.vector.clone(), self.store.version)
         self.server_node = simulation.server if self.topology == "server" else self.server_on_worker
         self.membership = Membership(simulation.present_workers())
+        self.pushes: dict[int, CompressedPushes] = {}
+        self.replies = None
+        if self.compression is not None:
+            self.replies = CompressedReplies(self.compression, initial, self.num_parameters, simulation.num_workers)
+            self.pushes = {rank: CompressedPushes(self.compression, initial, self.num_parameters)
+                           for rank in range(simulation.num_workers) if rank != self.server_on_worker}
 
     def leave(self, rank: int) -> None:
         self.membership.leave(rank, self.simulation.simulator.nodes[self.server_node])
@@ -104,6 +119,9 @@ class ParameterServer(Protocol):
         replica = self.simulation.replicas[rank]
         replica.set(vector)
         self.pulled[rank], self.versions[rank] = replica.get(), version
+        if self.replies is not None:  # the joiner received the model in full: both mirrors restart from it
+            self.pushes[rank] = CompressedPushes(self.compression, vector, self.num_parameters)
+            self.replies.mirrors[rank] = vector.to(self.replies.mirrors.dtype)
         return self.simulation.positions[rank] if round_index is None else round_index * self.push_every
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
@@ -111,10 +129,13 @@ class ParameterServer(Protocol):
             return
         replica = self.simulation.replicas[rank]
         update = push_message(replica.get(), self.pulled[rank], self.num_parameters)
+        pushes = self.pushes.get(rank)
+        if pushes is not None:
+            update = pushes.encode_push(update)
         node.send(self.server_node, (update, self.versions[rank]), tag="push", nbytes=self._bytes(update))
         message = yield node.recv(source=self.server_node, tag="pull")
         vector, version = message.payload
-        replica.set(vector)
+        replica.set(vector if pushes is None else pushes.decode_reply(vector))
         # The replica as it now is, in the model's dtype (see push_message).
         self.pulled[rank], self.versions[rank] = replica.get(), version
 
@@ -124,6 +145,7 @@ class ParameterServer(Protocol):
             for round_index in range(1, self.rounds + 1):
                 yield from membership.wait_for_members(node, (self.published, round_index - 1), self._admit_bytes)
                 updates = yield from membership.collect(node, "push", sorted(membership.members))
+                updates = {rank: (self._decoded(rank, update), version) for rank, (update, version) in updates.items()}
                 for rank, (update, _) in updates.items():
                     check_finite(update, rank)
                 if updates:  # else every worker left before its push arrived: the round changes nothing
@@ -142,6 +164,7 @@ class ParameterServer(Protocol):
                 membership.admit(node, (self.published, None), self._admit_bytes)
                 continue
             update, pulled_version = message.payload
+            update = self._decoded(message.source, update)
             check_finite(update, message.source)
             yield from node.execute(self.store.push, update, pulled_version, message.source, kind="aggregate")
             self.publish()
@@ -156,9 +179,17 @@ class ParameterServer(Protocol):
         """A push's or reply's bytes: the vector and its version (8 bytes), or the strategy's header."""
         return vector.nbytes + (self.header_bytes or 8)
 
+    def _decoded(self, rank: int, update: Tensor) -> Tensor:
+        """``rank``'s push as ``push_message`` made it (decoded if it was compressed)."""
+        return update if rank not in self.pushes else self.replies.decode_push(update)
+
     def _reply(self, node: Node, rank: int) -> Program:
-        """Send the published model to ``rank``; the strategy's server thread waits for the send to finish."""
-        sent = node.send(rank, self.published, tag="pull", nbytes=self._bytes(self.published[0]))
+        """Send the published model to ``rank`` (compressed against its mirror if ``rank`` compresses); the strategy's
+        server thread waits for the send to finish."""
+        vector, version = self.published
+        if rank in self.pushes:
+            vector = self.replies.encode_reply(rank, vector)
+        sent = node.send(rank, (vector, version), tag="pull", nbytes=self._bytes(vector))
         if self.topology == "strategy":
             yield sent
 
