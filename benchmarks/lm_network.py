@@ -28,7 +28,9 @@ receives (``benchmarks/netns.py``; Gloo over TCP), so every byte crosses a slow 
   a round costs a rank ``R`` models in and about as many out, where a ring all-reduce costs 1.5);
 - ``downpour``, ``downpour_p50``: asynchronous DownpourSGD (updates divided by their staleness plus
   one, the default), a push every 5 and every 50 steps (rank 0's port carries every other rank's
-  push and reply: 6 models a round with 4 ranks, about 13 s at 20 Mbit/s);
+  push and reply: 6 models a round with 4 ranks, about 13 s at 20 Mbit/s); ``downpour_p20_int8``,
+  ``downpour_p50_int8``: pushes and replies in int8 with error feedback (a quarter of the bytes), a push
+  every 20 and every 50 steps;
 - ``diloco``: periodic averaging every 50 steps with DiLoCo's outer step (SGD, Nesterov momentum 0.9,
   lr 0.7) on the averaged pseudo-gradient;
 - ``dynamic_outer``: ``dynamic_hi`` with the same outer step at its full synchronizations (at the
@@ -148,6 +150,10 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
          "strategy": strategy("DownpourSGDStrategy", push_every=5)},
         {"name": "downpour_p50", "kind": "downpour", "label": "DownpourSGD async, push every 50 steps",
          "strategy": strategy("DownpourSGDStrategy", push_every=50)},
+        {"name": "downpour_p20_int8", "kind": "downpour", "label": "DownpourSGD async, push every 20 steps, int8",
+         "strategy": strategy("DownpourSGDStrategy", push_every=20, compression="int8")},
+        {"name": "downpour_p50_int8", "kind": "downpour", "label": "DownpourSGD async, push every 50 steps, int8",
+         "strategy": strategy("DownpourSGDStrategy", push_every=50, compression="int8")},
         {"name": "diloco", "kind": "periodic", "label": "DiLoCo: every 50 steps, outer Nesterov SGD lr 0.7",
          "strategy": strategy("PeriodicAveragingStrategy", period=50), "outer": DILOCO_OUTER},
         {"name": "dynamic_outer", "kind": "dynamic",
