@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dist.comm.groups import destroy_group
-from lightning_dist.comm.stats import CommStats
+from lightning_dist.comm.stats import CommStats, check_level
 
 
 HOST = torch.device("cpu")
@@ -69,20 +69,44 @@ class PendingGather:
 class Communicator:
     """Counted collectives and point-to-point transfers on one process group.
 
-    The group must contain every rank (created with ``dist.new_group()`` on all ranks), so that
-    group ranks equal global ranks. Strategies use their own group rather than WORLD because
-    Lightning issues its own collectives on WORLD.
+    ``rank``, ``world_size`` and every peer named in a call are the group's own: for a group of every
+    rank (``dist.new_group()`` on all ranks) they are the global ones; for a subgroup (the ranks of one
+    node, or the ranks with one local rank on every node, :mod:`lightning_dist.comm.nodes`) they count
+    within it. Strategies use their own groups rather than WORLD because Lightning issues its own
+    collectives on WORLD.
+
+    Args:
+        group: the process group (None: WORLD).
+        level: for a hierarchy's groups, ``"intra_node"`` or ``"inter_node"``: every byte sent is also
+            counted under that level (:attr:`CommStats.bytes_by_level`).
+        counted_by: count into that communicator's :attr:`stats` (whatever object it holds then), so a
+            strategy's groups add up in the one set of counters it logs and checkpoints.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, level: str | None = None,
+                 counted_by: Communicator | None = None) -> None:
         self._group = group
         self._closed = False
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        if self.world_size != dist.get_world_size():
-            raise ValueError("Communicator needs a process group that holds every rank")
-        self.stats = CommStats()
+        self._global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+        self._stats = CommStats()
+        self._counted_by = counted_by
+        self.level = check_level(level)
         self._backend_config = dist.get_backend_config(group)
+
+    @property
+    def stats(self) -> CommStats:
+        return self._counted_by.stats if self._counted_by is not None else self._stats
+
+    @stats.setter
+    def stats(self, stats: CommStats) -> None:
+        if self._counted_by is not None:
+            raise ValueError("this Communicator counts into another one's stats; set those")
+        self._stats = stats
+
+    def _record(self, purpose: str, num_bytes: int, num_messages: int) -> None:
+        self.stats.record(purpose, num_bytes, num_messages, self.level)
 
     def wire_device(self, device: torch.device) -> torch.device:
         """Where a tensor on ``device`` travels on this group: the host if the group's backend is Gloo for it."""
@@ -119,7 +143,7 @@ class Communicator:
         wire = self._to_wire(tensor)
         gathered = [torch.empty_like(wire) for _ in range(self.world_size)]
         dist.all_gather(gathered, wire, group=self.group)
-        self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
+        self._record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
         return torch.stack(gathered).to(tensor.device)
 
     def start_gather(self, tensor: Tensor, dst: int, purpose: str) -> PendingGather:
@@ -132,15 +156,15 @@ class Communicator:
         wire = self._to_wire(tensor)
         gathered = wire.new_empty(self.world_size, *wire.shape) if self.rank == dst else None
         outputs = list(gathered.unbind(0)) if gathered is not None else None
-        work = dist.gather(wire, outputs, dst=dst, group=self.group, async_op=True)
+        work = dist.gather(wire, outputs, dst=self._global_ranks[dst], group=self.group, async_op=True)
         if self.rank != dst:
-            self.stats.record(purpose, _nbytes(tensor), 1)
+            self._record(purpose, _nbytes(tensor), 1)
         return PendingGather(work, gathered, tensor.device)
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
         """Sum ``tensor`` over all ranks in place."""
         self._all_reduce_sum_(tensor)
-        self._record_all_reduce(tensor, purpose)
+        self.record_all_reduce(tensor, purpose)
         return tensor
 
     def _all_reduce_sum_(self, tensor: Tensor) -> None:
@@ -149,35 +173,37 @@ class Communicator:
         if wire is not tensor:
             tensor.copy_(wire)
 
-    def _record_all_reduce(self, tensor: Tensor, purpose: str) -> None:
+    def record_all_reduce(self, tensor: Tensor, purpose: str) -> None:
+        """Count an all-reduce of ``tensor`` on this group (one this communicator ran, or DDP's bucket)."""
         # The ring's total 2 (m - 1) |t| split over ranks; rank 0 takes the remainder so the
         # sum over ranks is exact.
         total = 2 * (self.world_size - 1) * _nbytes(tensor)
         share = total // self.world_size + (total % self.world_size if self.rank == 0 else 0)
-        self.stats.record(purpose, share, 2 * (self.world_size - 1))
+        self._record(purpose, share, 2 * (self.world_size - 1))
 
     def broadcast_(self, tensor: Tensor, src: int, purpose: str) -> Tensor:
         """Overwrite ``tensor`` on every rank with ``src``'s copy. Counted at the source."""
         wire = self._to_wire(tensor)
-        dist.broadcast(wire, src=src, group=self.group)
+        dist.broadcast(wire, src=self._global_ranks[src], group=self.group)
         if wire is not tensor:
             tensor.copy_(wire)
         if self.rank == src:
-            self.stats.record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
+            self._record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
         return tensor
 
     def send(self, tensor: Tensor, destinations: Sequence[int], purpose: str) -> None:
         """Send ``tensor`` to each destination rank (one message each), waiting for completion."""
         wire = self._to_wire(tensor)
-        requests = [dist.isend(wire, dst=dst, group=self.group) for dst in destinations]
+        requests = [dist.isend(wire, dst=self._global_ranks[dst], group=self.group) for dst in destinations]
         for request in requests:
             request.wait()
-        self.stats.record(purpose, len(destinations) * _nbytes(tensor), len(destinations))
+        self._record(purpose, len(destinations) * _nbytes(tensor), len(destinations))
 
     def receive(self, like: Tensor, sources: Sequence[int]) -> list[Tensor]:
         """One tensor shaped like ``like`` (its dtype, on its device) from each source rank, in the order of ``sources``."""
         buffers = [torch.empty(like.shape, dtype=like.dtype, device=self.wire_device(like.device)) for _ in sources]
-        requests = [dist.irecv(buffer, src=src, group=self.group) for buffer, src in zip(buffers, sources)]
+        requests = [dist.irecv(buffer, src=self._global_ranks[src], group=self.group)
+                    for buffer, src in zip(buffers, sources)]
         for request in requests:
             request.wait()
         return [buffer.to(like.device) for buffer in buffers]
@@ -196,15 +222,17 @@ class Communicator:
         # same connection as the payloads. Posted after the sends, a rank's announcement queued behind its own
         # payload, so the two directions of a pair ran one after the other (measured: 1.85x the time of an
         # all-reduce among the same ranks at 20 Mbit/s, benchmarks/balancing_sync.py).
-        operations = [dist.P2POp(dist.irecv, wire, src, group=self.group) for (_, wire), (_, src) in zip(staged, receives)]
-        operations += [dist.P2POp(dist.isend, self._to_wire(tensor), dst, group=self.group) for tensor, dst in sends]
+        peer = self._global_ranks
+        operations = [dist.P2POp(dist.irecv, wire, peer[src], group=self.group)
+                      for (_, wire), (_, src) in zip(staged, receives)]
+        operations += [dist.P2POp(dist.isend, self._to_wire(tensor), peer[dst], group=self.group) for tensor, dst in sends]
         if operations:
             for request in dist.batch_isend_irecv(operations):
                 request.wait()
         for buffer, wire in staged:
             if wire is not buffer:
                 buffer.copy_(wire)
-        self.stats.record(purpose, sum(_nbytes(tensor) for tensor, _ in sends), len(sends))
+        self._record(purpose, sum(_nbytes(tensor) for tensor, _ in sends), len(sends))
 
     def send_object(self, payload: bytes, destination: int, purpose: str, device: torch.device) -> None:
         """Send a byte string (length first, then the bytes) to one rank; ``device`` is where the group's backend
@@ -232,7 +260,7 @@ class Communicator:
         """
         local = self.stats.to_vector()
         probe = torch.zeros(len(local) + 1, dtype=torch.int64, device=device)
-        self._record_all_reduce(probe, "accounting")
+        self.record_all_reduce(probe, "accounting")
         local = self.stats.to_vector()
         if extra is not None:
             local = [mine + theirs for mine, theirs in zip(local, extra.to_vector())]

@@ -5,11 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PURPOSES = ("setup", "protocol", "evaluation", "final", "checkpoint", "accounting")
+PURPOSES = ("setup", "protocol", "evaluation", "final", "checkpoint", "accounting", "gradients")
 """Why bytes were sent: ``setup`` (initial broadcast, set-up checks), ``protocol`` (the algorithm's own exchanges,
 what the papers count), ``evaluation`` (averaging for validation/test), ``final`` (the average all
 ranks hold after fit), ``checkpoint`` (replicas sent to rank 0 for the checkpoint file),
-``accounting`` (summing these counters over ranks)."""
+``accounting`` (summing these counters over ranks), ``gradients`` (DDP's gradient all-reduce inside a node under
+``hierarchy="node"``)."""
+LEVELS = ("intra_node", "inter_node")
+"""Where bytes went under ``hierarchy="node"``: between the ranks of one node (DDP's gradient all-reduce, the
+node's all-gathers), or between nodes (the protocol's exchanges). Flat strategies count no level."""
+
+
+def check_level(level: str | None) -> str | None:
+    if level is not None and level not in LEVELS:
+        raise ValueError(f"level must be None or one of {LEVELS}; got {level!r}")
+    return level
 
 
 @dataclass
@@ -18,19 +28,23 @@ class CommStats:
 
     ``bytes_sent`` and ``messages`` include every purpose; ``bytes_by_purpose`` breaks them down.
     ``syncs`` counts protocol averaging events (full or partial), the same number on every rank.
+    ``bytes_by_level`` splits the bytes of a hierarchy's groups into intra- and inter-node.
     """
 
     bytes_sent: int = 0
     messages: int = 0
     syncs: int = 0
     bytes_by_purpose: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PURPOSES, 0))
+    bytes_by_level: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0))
 
-    def record(self, purpose: str, num_bytes: int, num_messages: int) -> None:
+    def record(self, purpose: str, num_bytes: int, num_messages: int, level: str | None = None) -> None:
         if purpose not in self.bytes_by_purpose:
             raise ValueError(f"purpose must be one of {PURPOSES}; got {purpose!r}")
         self.bytes_sent += num_bytes
         self.messages += num_messages
         self.bytes_by_purpose[purpose] += num_bytes
+        if level is not None:
+            self.bytes_by_level[check_level(level)] += num_bytes
 
     @property
     def protocol_bytes(self) -> int:
@@ -38,15 +52,18 @@ class CommStats:
         return self.bytes_by_purpose["protocol"]
 
     def to_vector(self) -> list[int]:
-        return [self.bytes_sent, self.messages] + [self.bytes_by_purpose[p] for p in PURPOSES]
+        return ([self.bytes_sent, self.messages] + [self.bytes_by_purpose[p] for p in PURPOSES]
+                + [self.bytes_by_level[level] for level in LEVELS])
 
     @classmethod
     def from_vector(cls, values: list[int], syncs: int) -> CommStats:
+        levels = values[2 + len(PURPOSES):]  # absent in counters saved before levels existed
         return cls(
             bytes_sent=int(values[0]),
             messages=int(values[1]),
             syncs=syncs,
-            bytes_by_purpose={p: int(v) for p, v in zip(PURPOSES, values[2:])},
+            bytes_by_purpose={**dict.fromkeys(PURPOSES, 0), **{p: int(v) for p, v in zip(PURPOSES, values[2:])}},
+            bytes_by_level={level: int(levels[index]) if index < len(levels) else 0 for index, level in enumerate(LEVELS)},
         )
 
     def metrics(self, prefix: str = "comm/") -> dict[str, float]:
@@ -54,11 +71,16 @@ class CommStats:
         out = {f"{prefix}bytes_sent": float(self.bytes_sent), f"{prefix}messages": float(self.messages)}
         out[f"{prefix}syncs"] = float(self.syncs)
         out.update({f"{prefix}bytes_{p}": float(b) for p, b in self.bytes_by_purpose.items()})
+        if any(self.bytes_by_level.values()):
+            out.update({f"{prefix}bytes_{level}": float(b) for level, b in self.bytes_by_level.items()})
         return out
 
     def progress_bar_metrics(self) -> dict[str, float]:
         """What a progress bar shows, under short keys so it stays readable: protocol MB (10^6 bytes) and syncs."""
-        return {"comm_MB": self.protocol_bytes / 1e6, "syncs": float(self.syncs)}
+        metrics = {"comm_MB": self.protocol_bytes / 1e6, "syncs": float(self.syncs)}
+        if any(self.bytes_by_level.values()):  # a hierarchy: what crossed the slow link between nodes
+            metrics["inter_node_MB"] = self.bytes_by_level["inter_node"] / 1e6
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {"vector": self.to_vector(), "syncs": self.syncs}

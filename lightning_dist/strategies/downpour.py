@@ -106,6 +106,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         codec = check_compression(compression)
         # Not the base class's compressed full synchronizations: Downpour has none (its consensus is a broadcast).
         super().__init__(**kwargs)
+        self.refuse_hierarchy("one worker per node pushing to a sharded server is not built yet")
         self.compression = codec
         self.push_every = push_every
         self.synchronous = synchronous

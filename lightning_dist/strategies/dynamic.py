@@ -124,6 +124,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         sync_overhead = check_sync_overhead(sync_overhead)
         outer_optimizer = check_outer_optimizer(outer_optimizer)
         super().__init__(seed=seed, **kwargs)
+        self.refuse_hierarchy("dynamic averaging between nodes (the local condition per node, balancing sets of nodes) is not built yet")
         self.divergence_threshold = divergence_threshold
         self.check_every = check_every
         self.calibration_steps = calibration_steps

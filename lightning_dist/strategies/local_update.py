@@ -38,6 +38,7 @@ from lightning_dist.comm import CommStats, Communicator, new_group, restart_scop
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
 from lightning_dist.strategies._compressed_average import CompressedAverage
+from lightning_dist.strategies._hierarchy import NodeHierarchy, check_hierarchy
 
 
 class NonFiniteModelError(RuntimeError):
@@ -56,6 +57,11 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             feedback, and every replica ends with the same model
             (:mod:`lightning_dist.algorithms.compression`): half or about a quarter of float32's
             bytes. Validation, checkpoints and the end of ``fit`` still see the exact average.
+        hierarchy: None (default): every rank is a learner. ``"node"``: the ranks of a node train one
+            replica with DDP (gradients all-reduced inside the node every step) and the protocol runs
+            between nodes, each of a node's ranks carrying its chunk of the model
+            (:mod:`lightning_dist.strategies._hierarchy`). Nodes come from the cluster environment
+            (torchrun, SLURM) and must all hold ``devices`` ranks.
         process_group_backend: ``"gloo"`` or ``"nccl"``; Lightning picks from the accelerator
             when None.
         timeout: timeout of collective operations, Lightning's and this strategy's own process group's.
@@ -66,6 +72,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         self,
         seed: int = 0,
         compression: str | None = None,
+        hierarchy: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -88,6 +95,8 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         self.seed = seed
         self.compression = check_compression(compression)
         self._compressed = CompressedAverage(compression) if compression is not None else None
+        self.hierarchy = check_hierarchy(hierarchy)
+        self._hierarchy: NodeHierarchy | None = None
         self._comm: Communicator | None = None
         self._vector: ModelVector | None = None
         self._generator = torch.Generator().manual_seed(seed)
@@ -135,7 +144,13 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         # group stays usable until here (e.g. for ``trainer.save_checkpoint`` after ``fit``).
         if self._comm is not None:
             self._comm.close()
+        if self._hierarchy is not None:
+            self._hierarchy.close()
         self._comm = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout))
+        if self.hierarchy is not None:
+            self._hierarchy = NodeHierarchy.create(
+                self._comm, self.cluster_environment.node_rank(), self.num_processes, self.num_nodes,
+                self._get_process_group_backend(), self._timeout, self.root_device)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -143,13 +158,15 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         return True
 
     def configure_ddp(self) -> None:
-        """Do not wrap in DistributedDataParallel; start every replica from rank 0's weights."""
+        """Start every replica from rank 0's weights; wrap in DistributedDataParallel only inside a node (``hierarchy``)."""
         assert self.model is not None
         self._vector = ModelVector(self.model)
         vector = self._vector.get()
         self.comm.broadcast_(vector, src=0, purpose="setup")
         self.set_common_model(vector)
         self.on_replicas_initialized(vector)
+        if self._hierarchy is not None:
+            self.model = self._hierarchy.wrap(self.model, self.determine_ddp_device_ids())
 
     @property
     def comm(self) -> Communicator:
@@ -162,6 +179,11 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         if self._vector is None:
             raise RuntimeError(f"{type(self).__name__} is not set up for fitting: it has no model vector yet")
         return self._vector
+
+    def refuse_hierarchy(self, reason: str) -> None:
+        """Raise, naming the strategy, if it was given a ``hierarchy`` it cannot run (``reason`` says why)."""
+        if self.hierarchy is not None:
+            raise ValueError(f"{type(self).__name__} does not support hierarchy={self.hierarchy!r}: {reason}")
 
     # ------------------------------------------------------------ subclass API
 
@@ -248,6 +270,11 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         all-reduce moves twice their bytes) and the mean is rounded to the model's dtype once.
         """
         local = self.model_vector.get()
+        if self._hierarchy is not None:  # the nodes' models: chunk by chunk between nodes, the same on every rank
+            mean = self._hierarchy.mean(local, purpose)
+            if not bool(torch.isfinite(mean).all()):
+                self.raise_if_non_finite(local)
+            return mean
         total = self.comm.all_reduce_sum_(self.start_sum(local), purpose)
         if not bool(torch.isfinite(total).all()):
             self.raise_if_non_finite(local)
@@ -381,6 +408,8 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         super().on_exception(exception)
         if self._comm is not None:
             self._comm.close()
+        if self._hierarchy is not None:
+            self._hierarchy.close()
 
     def _is_fitting(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -73,6 +73,11 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 "the ranks, whose models share no common model to send deltas from"
             )
         super().__init__(seed=seed, **kwargs)
+        if client_fraction < 1:
+            self.refuse_hierarchy(f"client_fraction={client_fraction} (FedAvg's subsets of nodes) is not built yet; "
+                                  "use client_fraction=1")
+        if self.compression is not None:
+            self.refuse_hierarchy("compressed synchronizations between nodes are not built yet; use compression=None")
         self.period = period
         self.client_fraction = client_fraction
         self.outer_optimizer = outer_optimizer

@@ -77,6 +77,7 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
                 "models, which share no common model to send deltas from"
             )
         super().__init__(seed=seed, **kwargs)
+        self.refuse_hierarchy("gossip between nodes is not built yet")
         self.segments = segments
         self.replicas = replicas
         self.period = period

@@ -44,6 +44,38 @@ def run_ranks(
     return result
 
 
+def run_nodes(
+    nodes: int, ranks_per_node: int, worker: str, spec: dict[str, Any], out_dir: Path, timeout: float = 240
+) -> None:
+    """Launch ``nodes`` torchrun agents on this host as if on ``nodes`` machines (``--nnodes``, ``--node-rank``, one
+    static rendezvous), each with ``ranks_per_node`` ranks of ``tests/workers/<worker>.py spec.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(out_dir)}))
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+             f"--nproc-per-node={ranks_per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+             str(WORKERS / f"{worker}.py"), str(spec_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=out_dir)
+        for node in range(nodes)
+    ]
+    outputs = []
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=timeout)[0])
+    finally:
+        for agent in agents:
+            agent.kill()
+    failed = [(node, agent.returncode) for node, agent in enumerate(agents) if agent.returncode != 0]
+    if failed:
+        raise AssertionError(f"node agents exited {failed}\n" + "\n".join(f"--- node {node}\n{output[-6000:]}"
+                                                                         for node, output in enumerate(outputs)))
+
+
 def load_results(out_dir: Path, nprocs: int) -> list[dict[str, Any]]:
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
 

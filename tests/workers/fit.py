@@ -39,6 +39,16 @@ class RecordStepZeroVector(Callback):
         self.start = trainer.strategy.model_vector.get().clone()
 
 
+class RecordVectors(Callback):
+    """This rank's model vector after every optimizer step (``record_vectors``: small models only)."""
+
+    def __init__(self) -> None:
+        self.vectors: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.vectors.append(trainer.strategy.model_vector.get().clone())
+
+
 class RecordLossScale(Callback):
     """This rank's loss scale after the restore and at every checkpoint it saves (``precision="16-mixed"``)."""
 
@@ -87,6 +97,9 @@ def fit(spec: dict) -> None:
         if "units" in spec:  # the same training with every parameter stored `units` times larger
             model = in_other_units(model, spec["units"])
     callbacks = [RecordStepZeroVector()]
+    recorder = RecordVectors() if spec.get("record_vectors") else None
+    if recorder is not None:
+        callbacks.append(recorder)
     if "nan" in spec:
         callbacks.append(InjectNaN(**spec["nan"]))
     plugins = []
@@ -122,6 +135,7 @@ def fit(spec: dict) -> None:
             global_step=trainer.global_step,
             num_training_batches=trainer.num_training_batches,
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+            step_vectors=None if recorder is None else torch.stack(recorder.vectors),
         )
         if plugins:
             scale = next(callback for callback in callbacks if isinstance(callback, RecordLossScale))

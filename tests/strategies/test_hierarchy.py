@@ -1,0 +1,90 @@
+"""hierarchy="node" on 2 nodes x 2 ranks (two torchrun agents on this host): DDP inside a node, periodic averaging
+between nodes in slices, bytes by level; refusals by name."""
+
+import pytest
+import torch
+
+import lightning_dist
+from helpers.launch import load_results, run_nodes
+from lightning_dist.algorithms.subset_average import chunk_bounds
+from lightning_dist.comm.nodes import NodeLayout
+from lightning_dist.models import MLPClassifier
+
+NODES, RANKS_PER_NODE, PERIOD = 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hierarchy")
+    runs = [{"name": "periodic", "record_vectors": True,
+             "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": PERIOD, "hierarchy": "node"}}}]
+    run_nodes(NODES, RANKS_PER_NODE, "fit", {"data": {"partition": "class_sorted"},
+                                             "trainer": {"max_epochs": 2, "num_nodes": NODES}, "runs": runs}, out)
+    return {run["name"]: load_results(out / run["name"], NODES * RANKS_PER_NODE) for run in runs}
+
+
+def test_a_node_is_one_learner_and_nodes_agree_after_each_average(two_nodes):
+    """After every step the two ranks of a node hold the same model (DDP inside the node); after every PERIOD-th
+    step all four do (the average between nodes); in between the nodes' models differ (class-sorted parts)."""
+    results = two_nodes["periodic"]
+    for result in results:
+        assert result["error"] is None, result["error"]
+    vectors = [result["step_vectors"] for result in results]
+    steps = vectors[0].shape[0]
+    assert steps == results[0]["global_step"] > 2 * PERIOD
+    for step in range(steps):
+        assert torch.equal(vectors[0][step], vectors[1][step]) and torch.equal(vectors[2][step], vectors[3][step]), step
+        if (step + 1) % PERIOD == 0:
+            assert torch.equal(vectors[0][step], vectors[2][step]), step
+        else:
+            assert not torch.equal(vectors[0][step], vectors[2][step]), step
+    assert all(torch.equal(result["vector"], results[0]["vector"]) for result in results)
+    assert torch.isfinite(torch.tensor(results[0]["callback_metrics"]["val_loss"]))
+
+
+def test_each_rank_carries_its_chunk_between_nodes_and_bytes_are_counted_by_level(two_nodes):
+    """An average between N nodes of L ranks: local rank j all-reduces chunk j with its N - 1 peers (a ring's
+    2 (N - 1) chunk sizes over the slice), then the node all-gathers the chunks (padded to the largest); DDP's
+    gradient all-reduce inside each node counts 2 (L - 1) gradient sizes per node and step."""
+    results = two_nodes["periodic"]
+    stats = results[0]["comm"]
+    numel = results[0]["vector"].numel()
+    parameters = sum(parameter.numel() for parameter in MLPClassifier(64, 10).parameters())
+    widths = [stop - start for start, stop in chunk_bounds(numel, list(range(RANKS_PER_NODE))).values()]
+    inter_per_mean = sum(2 * (NODES - 1) * width * 4 for width in widths) * 1  # one slice per local rank
+    intra_per_mean = NODES * RANKS_PER_NODE * (RANKS_PER_NODE - 1) * max(widths) * 4
+    syncs = results[0]["global_step"] // PERIOD
+    assert stats.syncs == syncs
+    assert stats.bytes_by_purpose["protocol"] == syncs * (inter_per_mean + intra_per_mean)
+    averaged = sum(stats.bytes_by_purpose[purpose] for purpose in ("protocol", "evaluation", "final"))
+    means, rest = divmod(averaged, inter_per_mean + intra_per_mean)  # validations and the end of fit average too
+    assert rest == 0 and means >= syncs
+    gradients = results[0]["global_step"] * NODES * 2 * (RANKS_PER_NODE - 1) * parameters * 4
+    assert stats.bytes_by_purpose["gradients"] == gradients
+    assert stats.bytes_by_level["inter_node"] == means * inter_per_mean
+    assert stats.bytes_by_level["intra_node"] == means * intra_per_mean + gradients
+    # Per rank and average, 1/L of what a flat ring over all N L ranks would send (mostly across nodes).
+    flat_ring_per_rank = 2 * (NODES * RANKS_PER_NODE - 1) / (NODES * RANKS_PER_NODE) * numel * 4
+    assert inter_per_mean / (NODES * RANKS_PER_NODE) < flat_ring_per_rank / RANKS_PER_NODE
+
+
+def test_nodes_must_be_even():
+    assert NodeLayout.from_node_ranks([0, 0, 1, 1]).slices() == [[0, 2], [1, 3]]
+    assert NodeLayout.from_node_ranks([1, 0, 1, 0]).nodes == ((1, 3), (0, 2))
+    with pytest.raises(ValueError, match=r"same number of ranks on every node .* node 0: 3, node 1: 1"):
+        NodeLayout.from_node_ranks([0, 0, 0, 1])
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: lightning_dist.PeriodicAveragingStrategy(hierarchy="rack"), r"hierarchy must be None .* got 'rack'"),
+    (lambda: lightning_dist.PeriodicAveragingStrategy(hierarchy="node", client_fraction=0.5),
+     r"PeriodicAveragingStrategy does not support hierarchy='node': client_fraction=0.5"),
+    (lambda: lightning_dist.PeriodicAveragingStrategy(hierarchy="node", compression="int8"),
+     r"PeriodicAveragingStrategy does not support hierarchy='node': compressed"),
+    (lambda: lightning_dist.DynamicAveragingStrategy(hierarchy="node"), r"DynamicAveragingStrategy does not support"),
+    (lambda: lightning_dist.SegmentedGossipStrategy(hierarchy="node"), r"SegmentedGossipStrategy does not support"),
+    (lambda: lightning_dist.DownpourSGDStrategy(hierarchy="node"), r"DownpourSGDStrategy does not support"),
+])
+def test_refusals_name_the_strategy(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
