@@ -86,22 +86,38 @@ class NodeHierarchy:
         ddp.register_comm_hook(self.node, _counted_allreduce)
         return ddp
 
+    def bounds(self, numel: int) -> list[tuple[int, int]]:
+        """The ``L`` nearly equal chunks of a vector of ``numel`` elements, local rank ``j`` carrying chunk ``j``."""
+        return list(chunk_bounds(numel, list(range(self.node.world_size))).values())
+
+    def part(self, vector: Tensor, numel: int) -> Tensor:
+        """This rank's chunk of a model-sized vector of ``numel`` elements; ``vector`` may be shorter (the parameters
+        only, as a reference model is), and its part then ends where it does."""
+        start, stop = self.bounds(numel)[self.node.rank]
+        return vector[start:stop]
+
+    def whole(self, part: Tensor, numel: int, purpose: str) -> Tensor:
+        """The vector whose chunks the node's ranks hold (``part`` is this rank's): an all-gather inside the node
+        (chunks padded to the largest, at most one element more)."""
+        bounds = self.bounds(numel)
+        width = max(end - begin for begin, end in bounds)
+        gathered = self.node.all_gather(torch.nn.functional.pad(part, (0, width - part.numel())), purpose)
+        return torch.cat([gathered[index, : end - begin] for index, (begin, end) in enumerate(bounds)])
+
+    def node_sum(self, value: float, device: torch.device, purpose: str) -> float:
+        """``value`` summed over this node's ranks (each holds its part's share of a node-wide quantity)."""
+        total = self.node.all_reduce_sum_(torch.tensor([value], dtype=torch.float64, device=device), purpose)
+        return float(total[0])
+
     def mean(self, local: Tensor, purpose: str) -> Tensor:
         """The mean of the nodes' models (each node's ranks hold the same ``local``), the same on every rank.
 
-        Chunk ``j`` (of ``L`` nearly equal chunks) is summed between nodes by local rank ``j`` in
-        :func:`accumulation_dtype` and rounded to the model's dtype once; the node all-gathers the chunks
-        (padded to the largest, at most one element more).
+        Chunk ``j`` is summed between nodes by local rank ``j`` in :func:`accumulation_dtype` and rounded to the
+        model's dtype once; the node all-gathers the chunks of the mean.
         """
-        bounds = list(chunk_bounds(local.numel(), list(range(self.node.world_size))).values())
-        start, stop = bounds[self.node.rank]
-        total = local[start:stop].to(accumulation_dtype(local.dtype), copy=True)
+        total = self.part(local, local.numel()).to(accumulation_dtype(local.dtype), copy=True)
         self.inter_node.all_reduce_sum_(total, purpose)
-        chunk = (total / self.inter_node.world_size).to(local.dtype)
-        width = max(end - begin for begin, end in bounds)
-        padded = torch.nn.functional.pad(chunk, (0, width - chunk.numel()))
-        gathered = self.node.all_gather(padded, purpose)
-        return torch.cat([gathered[index, : end - begin] for index, (begin, end) in enumerate(bounds)])
+        return self.whole((total / self.inter_node.world_size).to(local.dtype), local.numel(), purpose)
 
     def close(self) -> None:
         self.node.close()

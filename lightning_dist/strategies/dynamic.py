@@ -124,7 +124,6 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         sync_overhead = check_sync_overhead(sync_overhead)
         outer_optimizer = check_outer_optimizer(outer_optimizer)
         super().__init__(seed=seed, **kwargs)
-        self.refuse_hierarchy("dynamic averaging between nodes (the local condition per node, balancing sets of nodes) is not built yet")
         self.divergence_threshold = divergence_threshold
         self.check_every = check_every
         self.calibration_steps = calibration_steps
@@ -175,8 +174,9 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             self._resolve(violators)
 
     def _gather_distances(self) -> list[float]:
-        """Every rank's ``||f_i - r||^2`` (one all-gather); raises naming the ranks whose distance is not finite."""
-        distances = self.comm.all_gather(self._distance().view(1), purpose="protocol").view(-1).tolist()
+        """Every learner's ``||f_i - r||^2`` (one all-gather among learners: ranks, or nodes under a hierarchy, whose
+        ranks all hold the node's model); raises naming those whose distance is not finite."""
+        distances = self.learners.all_gather(self._distance().view(1), purpose="protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, value in enumerate(distances) if not math.isfinite(value)])
         return distances
 
@@ -223,17 +223,18 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         vector = self.model_vector  # sizes only: no flat copy of the model
         dtype = accumulation_dtype(vector.dtype)
         element_size = accumulated_nbytes(1, vector.dtype)
-        sync_bytes = (accumulated_nbytes(vector.numel, vector.dtype) if self.compression is None
-                      else encoded_chunks_nbytes(vector.numel, self.comm.world_size, self.compression))
+        numel = self.learner_numel()  # what this rank carries in a synchronization
+        sync_bytes = (accumulated_nbytes(numel, vector.dtype) if self.compression is None
+                      else encoded_chunks_nbytes(numel, self.learners.world_size, self.compression))
         probe_elements = max(sync_probe_bytes(sync_bytes) // element_size, 1)
         probe = torch.zeros(probe_elements, dtype=dtype, device=self.root_device)
         self._probe_parts = sync_bytes / (probe_elements * element_size)
         small = torch.zeros(1, dtype=torch.float64, device=self.root_device)
-        self.comm.all_reduce_sum_(small, "protocol")
+        self.learners.all_reduce_sum_(small, "protocol")
         times = []
         for tensor in (small, probe):
             started = time.perf_counter()
-            float(self.comm.all_reduce_sum_(tensor, "protocol")[0])
+            float(self.learners.all_reduce_sum_(tensor, "protocol")[0])
             times.append(time.perf_counter() - started)
         return times[0], times[1]
 
@@ -258,27 +259,31 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         return period
 
     def _resolve(self, violators: list[int]) -> None:
-        """Run the balancing (``plan_balancing``) across processes: a partial set by :class:`SubsetAverage`,
-        a full synchronization by the all-reduce."""
+        """Run the balancing (``plan_balancing``) among learners: a partial set by :class:`SubsetAverage`, a full
+        synchronization by the all-reduce. Under a hierarchy the learners are nodes: each rank averages its part of
+        the set's models with its slice group, the parts' distances add up in the node, and a member node
+        all-gathers the parts of the mean."""
         threshold = self._threshold
         assert threshold is not None
-        balancing = SubsetAverage(self.comm, self.model_vector.get(), "protocol")
+        learners = self.learners
+        balancing = SubsetAverage(learners, self.learner_part(self.model_vector.get()), "protocol")
+        reference = self.learner_part(self.reference)
 
         def mean_within_threshold(balancing_set: list[int], newly_added: list[int]) -> bool:
             balancing.reduce(balancing_set, newly_added)
             if len(balancing_set) == 1:
                 return False  # the mean of one violator is its own model, which the check found violating
-            return balancing.squared_distance(self.reference) <= threshold
+            return self.learner_sum(balancing.squared_distance(reference), "protocol") <= threshold
 
         balancing_set, self._violation_counter = plan_balancing(
-            violators, self.comm.world_size, self._violation_counter, self._generator, mean_within_threshold
+            violators, learners.world_size, self._violation_counter, self._generator, mean_within_threshold
         )
-        if len(balancing_set) == self.comm.world_size:
+        if len(balancing_set) == learners.world_size:
             self._full_sync()
             return
         mean = balancing.gather()
-        if mean is not None:
-            self.model_vector.set(mean)
+        if mean is not None:  # a member: under a hierarchy every rank of the node is
+            self.model_vector.set(self.learner_whole(mean, "protocol"))
         self._partial_syncs += 1
         self._syncs += 1
 

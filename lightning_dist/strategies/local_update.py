@@ -180,6 +180,33 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             raise RuntimeError(f"{type(self).__name__} is not set up for fitting: it has no model vector yet")
         return self._vector
 
+    @property
+    def learners(self) -> Communicator:
+        """The communicator among learners: every rank, or with ``hierarchy="node"`` this rank's slice group (the
+        ranks of this local rank, one per node; its rank is the node's index), over which it carries its part of
+        every model exchange (:meth:`learner_part`)."""
+        return self.comm if self._hierarchy is None else self._hierarchy.inter_node
+
+    def learner_part(self, vector: Tensor) -> Tensor:
+        """The part of a model-sized ``vector`` this rank exchanges with other learners: all of it, or under a
+        hierarchy its node chunk (``vector`` may be the parameters only, a reference model)."""
+        return vector if self._hierarchy is None else self._hierarchy.part(vector, self.model_vector.numel)
+
+    def learner_numel(self) -> int:
+        """How many elements of the model vector :meth:`learner_part` holds."""
+        if self._hierarchy is None:
+            return self.model_vector.numel
+        start, stop = self._hierarchy.bounds(self.model_vector.numel)[self._hierarchy.node.rank]
+        return stop - start
+
+    def learner_whole(self, part: Tensor, purpose: str) -> Tensor:
+        """The model whose :meth:`learner_part` this rank holds (under a hierarchy an all-gather inside the node)."""
+        return part if self._hierarchy is None else self._hierarchy.whole(part, self.model_vector.numel, purpose)
+
+    def learner_sum(self, value: float, purpose: str) -> float:
+        """A learner's total of a quantity its ranks measured on their parts (under a hierarchy, summed in the node)."""
+        return value if self._hierarchy is None else self._hierarchy.node_sum(value, self.root_device, purpose)
+
     def refuse_hierarchy(self, reason: str) -> None:
         """Raise, naming the strategy, if it was given a ``hierarchy`` it cannot run (``reason`` says why)."""
         if self.hierarchy is not None:

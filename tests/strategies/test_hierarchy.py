@@ -17,7 +17,11 @@ NODES, RANKS_PER_NODE, PERIOD = 2, 2, 4
 def two_nodes(tmp_path_factory):
     out = tmp_path_factory.mktemp("hierarchy")
     runs = [{"name": "periodic", "record_vectors": True,
-             "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": PERIOD, "hierarchy": "node"}}}]
+             "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": PERIOD, "hierarchy": "node"}}},
+            # A threshold that some checks violate and some balancing sets resolve (partial synchronizations).
+            {"name": "dynamic", "record_vectors": True,
+             "strategy": {"class": "DynamicAveragingStrategy",
+                          "kwargs": {"divergence_threshold": 0.05, "check_every": PERIOD, "hierarchy": "node"}}}]
     run_nodes(NODES, RANKS_PER_NODE, "fit", {"data": {"partition": "class_sorted"},
                                              "trainer": {"max_epochs": 2, "num_nodes": NODES}, "runs": runs}, out)
     return {run["name"]: load_results(out / run["name"], NODES * RANKS_PER_NODE) for run in runs}
@@ -81,10 +85,27 @@ def test_nodes_must_be_even():
      r"PeriodicAveragingStrategy does not support hierarchy='node': client_fraction=0.5"),
     (lambda: lightning_dist.PeriodicAveragingStrategy(hierarchy="node", compression="int8"),
      r"PeriodicAveragingStrategy does not support hierarchy='node': compressed"),
-    (lambda: lightning_dist.DynamicAveragingStrategy(hierarchy="node"), r"DynamicAveragingStrategy does not support"),
     (lambda: lightning_dist.SegmentedGossipStrategy(hierarchy="node"), r"SegmentedGossipStrategy does not support"),
     (lambda: lightning_dist.DownpourSGDStrategy(hierarchy="node"), r"DownpourSGDStrategy does not support"),
 ])
 def test_refusals_name_the_strategy(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_dynamic_averaging_between_nodes_keeps_nodes_whole_and_the_condition(two_nodes):
+    """Dynamic averaging with the nodes as learners: a node's two ranks agree after every step; after every check
+    either a node's model lies within Delta of the reference or it took part in an averaging (its model changed at
+    the check to the mean of a set that includes it)."""
+    results = two_nodes["dynamic"]
+    for result in results:
+        assert result["error"] is None, result["error"]
+    vectors = [result["step_vectors"] for result in results]
+    for step in range(vectors[0].shape[0]):
+        assert torch.equal(vectors[0][step], vectors[1][step]) and torch.equal(vectors[2][step], vectors[3][step]), step
+    metrics = results[0]["metrics"]
+    assert metrics["dynamic/checks"] == results[0]["global_step"] // PERIOD
+    assert metrics["dynamic/violations"] > 0 and metrics["dynamic/full_syncs"] + metrics["dynamic/partial_syncs"] > 0
+    stats = results[0]["comm"]
+    assert stats.bytes_by_level["inter_node"] > 0 and stats.bytes_by_purpose["gradients"] > 0
+    assert all(torch.equal(result["vector"], results[0]["vector"]) for result in results)
