@@ -22,9 +22,20 @@ def two_nodes(tmp_path_factory):
             {"name": "dynamic", "record_vectors": True,
              "strategy": {"class": "DynamicAveragingStrategy",
                           "kwargs": {"divergence_threshold": 0.05, "check_every": PERIOD, "hierarchy": "node"}}}]
-    run_nodes(NODES, RANKS_PER_NODE, "fit", {"data": {"partition": "class_sorted"},
-                                             "trainer": {"max_epochs": 2, "num_nodes": NODES}, "runs": runs}, out)
-    return {run["name"]: load_results(out / run["name"], NODES * RANKS_PER_NODE) for run in runs}
+    runs[0]["checkpoint_dir"] = str(out / "ckpt")
+    spec = {"data": {"partition": "class_sorted"}, "trainer": {"max_epochs": 2, "num_nodes": NODES}}
+    run_nodes(NODES, RANKS_PER_NODE, "fit", {**spec, "runs": runs}, out)
+    results = {run["name"]: load_results(out / run["name"], NODES * RANKS_PER_NODE) for run in runs}
+    # The periodic run's first-epoch checkpoint resumed by 2 nodes (as written) and by 1 node.
+    checkpoint = str(next((out / "ckpt").glob("epoch=0-*.ckpt")))
+    resumed = {"name": "resumed", **{key: runs[0][key] for key in ("record_vectors", "strategy")}, "ckpt_path": checkpoint}
+    run_nodes(NODES, RANKS_PER_NODE, "fit", {**spec, "runs": [resumed]}, out / "same")
+    results["resumed_same"] = load_results(out / "same" / "resumed", NODES * RANKS_PER_NODE)
+    one_node = {**spec, "trainer": {**spec["trainer"], "num_nodes": 1}}
+    run_nodes(1, RANKS_PER_NODE, "fit", {**one_node, "runs": [resumed]}, out / "one")
+    results["resumed_one_node"] = load_results(out / "one" / "resumed", RANKS_PER_NODE)
+    results["checkpoint"] = torch.load(checkpoint, weights_only=False)
+    return results
 
 
 def test_a_node_is_one_learner_and_nodes_agree_after_each_average(two_nodes):
@@ -109,3 +120,23 @@ def test_dynamic_averaging_between_nodes_keeps_nodes_whole_and_the_condition(two
     stats = results[0]["comm"]
     assert stats.bytes_by_level["inter_node"] > 0 and stats.bytes_by_purpose["gradients"] > 0
     assert all(torch.equal(result["vector"], results[0]["vector"]) for result in results)
+
+
+def test_resume_on_as_many_nodes_is_bit_exact_and_on_one_node_starts_from_the_consensus(two_nodes):
+    """The first epoch's checkpoint resumed by 2 nodes ends where the uninterrupted run does, bit for bit; resumed by
+    1 node of 2 ranks (one learner, plain DDP then) every rank starts from the checkpoint's consensus and the two
+    ranks stay equal."""
+    straight, same, one = two_nodes["periodic"], two_nodes["resumed_same"], two_nodes["resumed_one_node"]
+    for a, b in zip(straight, same):
+        assert b["error"] is None, b["error"]
+        assert torch.equal(a["vector"], b["vector"])
+        assert a["comm"].bytes_by_level == b["comm"].bytes_by_level
+    checkpoint = two_nodes["checkpoint"]
+    consensus = torch.cat([value.flatten() for value in checkpoint["state_dict"].values()])
+    assert checkpoint["lightning_dist"]["world_size"] == NODES * RANKS_PER_NODE
+    for result in one:
+        assert result["error"] is None, result["error"]
+        assert torch.equal(result["start_vector"], consensus)
+        assert torch.equal(result["step_vectors"][-1], one[0]["step_vectors"][-1])
+    assert one[0]["global_step"] == checkpoint["global_step"] + one[0]["num_training_batches"]  # epoch 2 of 2
+    assert one[0]["comm"].bytes_by_level["inter_node"] == 0  # one node: nothing crosses between nodes
