@@ -77,7 +77,6 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
                 "models, which share no common model to send deltas from"
             )
         super().__init__(seed=seed, **kwargs)
-        self.refuse_hierarchy("gossip between nodes is not built yet")
         self.segments = segments
         self.replicas = replicas
         self.period = period
@@ -94,23 +93,31 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()  # refuses fewer than 2 processes
-        if self.replicas > self.world_size - 1:
+        if self.hierarchy is None and self.replicas > self.world_size - 1:
             raise ValueError(
                 f"replicas must be an integer in [1, {self.world_size - 1}] (distinct peers per segment among the "
                 f"other world_size - 1 ranks); got {self.replicas} with world_size={self.world_size}"
             )
+        if self.hierarchy is not None and self.replicas > self.num_nodes - 1:
+            raise ValueError(
+                f"replicas must be an integer in [1, {self.num_nodes - 1}] (distinct peer nodes per segment among the "
+                f"other num_nodes - 1 nodes, hierarchy='node'); got {self.replicas} with num_nodes={self.num_nodes}"
+            )
 
     def on_replicas_initialized(self, vector: Tensor) -> None:
-        self._bounds = segment_bounds(vector.numel(), self.segments)
+        # Under a hierarchy a rank gossips its part of the model with its slice group: the segments are the part's.
+        self._bounds = segment_bounds(self.learner_numel(), self.segments)
 
     def on_train_start(self) -> None:
         super().on_train_start()
         self.exchange_dataset_sizes(_part_size(self.lightning_module.trainer.train_dataloader))
 
     def exchange_dataset_sizes(self, local_size: int) -> Tensor:
-        """All-gather every rank's ``|D_j|`` (a collective); 0 means unknown and makes all weights equal."""
-        local = torch.tensor([local_size], dtype=torch.int64, device=self.root_device)
-        sizes = self.comm.all_gather(local, purpose="setup").view(-1).cpu()
+        """All-gather every learner's ``|D_j|`` (a collective; a node's is the sum of its ranks'); 0 means unknown
+        and makes all weights equal."""
+        node_size = int(self.learner_sum(float(local_size), "setup"))
+        local = torch.tensor([node_size], dtype=torch.int64, device=self.root_device)
+        sizes = self.learners.all_gather(local, purpose="setup").view(-1).cpu()
         if not bool((sizes > 0).all()):
             rank_zero_warn(
                 f"SegmentedGossipStrategy weights ranks by local dataset size, but rank(s) "
@@ -136,7 +143,7 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         """
         generator = torch.Generator()
         generator.set_state(self._generator.get_state())
-        return pull_plan(self.comm.world_size, self.segments, self.replicas, generator)
+        return pull_plan(self.learners.world_size, self.segments, self.replicas, generator)
 
     @property
     def dataset_sizes(self) -> Tensor:
@@ -151,10 +158,13 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
             self.gossip_round()
 
     def gossip_round(self) -> None:
-        """One round on every rank: draw the plan, move the segments, aggregate (paper 002, section 4.1)."""
-        rank, world_size = self.comm.rank, self.comm.world_size
-        local = self.model_vector.get()
-        self.raise_if_non_finite(local)
+        """One round on every rank: draw the plan, move the segments, aggregate (paper 002, section 4.1). Under a
+        hierarchy the learners are nodes and every rank gossips its part of its node's model with its slice group."""
+        learners = self.learners
+        rank, world_size = learners.rank, learners.world_size
+        whole = self.model_vector.get()
+        self.raise_if_non_finite(whole)
+        local = self.learner_part(whole)
         plan = pull_plan(world_size, self.segments, self.replicas, self._generator)
         links = transfers(plan)
         sends = [
@@ -167,13 +177,14 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
             provider: local.new_empty(sum(self._bounds[s][1] - self._bounds[s][0] for s in segments))
             for provider, segments in pulls.items()
         }
-        self.comm.exchange(sends, [(buffer, provider) for provider, buffer in buffers.items()], purpose="protocol")
+        learners.exchange(sends, [(buffer, provider) for provider, buffer in buffers.items()], purpose="protocol")
 
         providers = plan[rank]
         mixed = mixed_from_pulls(
             local, providers, self._bounds, {provider: (pulls[provider], buffers[provider]) for provider in pulls}
         )
-        self.model_vector.set(aggregate(local, mixed, providers, self._bounds, self.dataset_sizes, rank))
+        aggregated = aggregate(local, mixed, providers, self._bounds, self.dataset_sizes, rank)
+        self.model_vector.set(self.learner_whole(aggregated, "protocol"))
 
         self._rounds += 1
         self._syncs += 1
@@ -190,7 +201,7 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         self._links_max = max(len(p) for p in peers)
 
     def consensus(self, purpose: str) -> Tensor:
-        """The dataset-size-weighted mean of all replicas, ``sum_j |D_j| W_j / sum_j |D_j|`` (an all-reduce).
+        """The dataset-size-weighted mean of all learners' models, ``sum_j |D_j| W_j / sum_j |D_j|`` (an all-reduce).
 
         Summed in float32 for 16-bit models (:meth:`start_sum`) and rounded to the model's dtype once, as
         :func:`~lightning_dist.algorithms.averaging.weighted_average` and the other strategies'
@@ -200,11 +211,12 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         if self._dataset_sizes is None:
             return super().consensus(purpose)
         local = self.model_vector.get()
-        weighted = self.start_sum(local).mul_(float(self._dataset_sizes[self.comm.rank]))
-        total = self.comm.all_reduce_sum_(weighted, purpose)
-        if not bool(torch.isfinite(total).all()):
+        weighted = self.start_sum(self.learner_part(local)).mul_(float(self._dataset_sizes[self.learners.rank]))
+        total = self.learners.all_reduce_sum_(weighted, purpose)
+        mean = self.learner_whole((total / float(self._dataset_sizes.sum())).to(local.dtype), purpose)
+        if not bool(torch.isfinite(mean).all()):
             self.raise_if_non_finite(local)
-        return (total / float(self._dataset_sizes.sum())).to(local.dtype)
+        return mean
 
     # ------------------------------------------------------------------ state and counters
 

@@ -22,7 +22,10 @@ def two_nodes(tmp_path_factory):
             # A threshold that some checks violate and some balancing sets resolve (partial synchronizations).
             {"name": "dynamic", "record_vectors": True,
              "strategy": {"class": "DynamicAveragingStrategy",
-                          "kwargs": {"divergence_threshold": 0.05, "check_every": PERIOD, "hierarchy": "node"}}}]
+                          "kwargs": {"divergence_threshold": 0.05, "check_every": PERIOD, "hierarchy": "node"}}},
+            {"name": "gossip", "record_vectors": True,
+             "strategy": {"class": "SegmentedGossipStrategy",
+                          "kwargs": {"segments": 2, "replicas": 1, "period": PERIOD, "hierarchy": "node"}}}]
     runs[0]["checkpoint_dir"] = str(out / "ckpt")
     spec = {"data": {"partition": "class_sorted"}, "trainer": {"max_epochs": 2, "num_nodes": NODES}}
     run_nodes(NODES, RANKS_PER_NODE, "fit", {**spec, "runs": runs}, out)
@@ -97,7 +100,6 @@ def test_nodes_must_be_even():
      r"PeriodicAveragingStrategy does not support hierarchy='node': client_fraction=0.5"),
     (lambda: lightning_dist.PeriodicAveragingStrategy(hierarchy="node", compression="int8"),
      r"PeriodicAveragingStrategy does not support hierarchy='node': compressed"),
-    (lambda: lightning_dist.SegmentedGossipStrategy(hierarchy="node"), r"SegmentedGossipStrategy does not support"),
     (lambda: lightning_dist.DownpourSGDStrategy(hierarchy="node"), r"DownpourSGDStrategy does not support"),
 ])
 def test_refusals_name_the_strategy(build, message):
@@ -143,3 +145,26 @@ def test_resume_on_as_many_nodes_is_bit_exact_and_on_one_node_starts_from_the_co
     # One node: nothing more crosses between nodes; the counters go on from the checkpoint's totals.
     saved = [CommStats.from_state_dict(replica["comm"]) for replica in checkpoint["lightning_dist"]["replicas"]]
     assert one[0]["comm"].bytes_by_level["inter_node"] == sum(stats.bytes_by_level["inter_node"] for stats in saved) > 0
+
+
+def test_segmented_gossip_between_nodes_pulls_each_part_from_the_other_node(two_nodes):
+    """Gossip with the nodes as peers, R = N - 1 = 1: every round each rank pulls both segments of its part from its
+    peer in the other node and aggregates them weighted by the nodes' data (the sum of their ranks' parts), so all
+    four ranks agree after every round; a node's two ranks always do. Per round each rank sends its whole part
+    (its S segments) to the other node, and the node all-gathers the aggregated parts."""
+    results = two_nodes["gossip"]
+    for result in results:
+        assert result["error"] is None, result["error"]
+    vectors = [result["step_vectors"] for result in results]
+    for step in range(vectors[0].shape[0]):
+        assert torch.equal(vectors[0][step], vectors[1][step]) and torch.equal(vectors[2][step], vectors[3][step]), step
+        if (step + 1) % PERIOD == 0:
+            assert torch.equal(vectors[0][step], vectors[2][step]), step
+    numel = results[0]["vector"].numel()
+    widths = [stop - start for start, stop in chunk_bounds(numel, list(range(RANKS_PER_NODE))).values()]
+    rounds = results[0]["global_step"] // PERIOD
+    assert results[0]["metrics"]["segmented_gossip/rounds"] == rounds
+    parts = NODES * numel * 4  # every rank's part once, to its peer
+    gathers = NODES * RANKS_PER_NODE * (RANKS_PER_NODE - 1) * max(widths) * 4
+    flags = NODES * RANKS_PER_NODE * (NODES * RANKS_PER_NODE - 1)  # the 1-byte finiteness all-gather over all ranks
+    assert results[0]["comm"].bytes_by_purpose["protocol"] == rounds * (parts + gathers + flags)
