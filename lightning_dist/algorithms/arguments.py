@@ -86,14 +86,19 @@ def check_client_fraction(value: object) -> float:
     return float(value)
 
 
+def check_option(name: str, value: object, options: tuple[str, ...], meaning: str) -> str | None:
+    """``value`` if it is None or one of ``options``; else a ValueError naming ``name``, the options and ``meaning``."""
+    if value is not None and value not in options:
+        raise ValueError(
+            f"{name} must be None or one of {', '.join(repr(option) for option in options)} ({meaning}); got {value!r}"
+        )
+    return value  # type: ignore[return-value]
+
+
 def check_compression(value: object) -> str | None:
     """``compression``: None (models travel in their dtype) or one of :data:`~lightning_dist.algorithms.compression.CODECS`."""
-    if value is not None and value not in CODECS:
-        raise ValueError(
-            f"compression must be None or one of {', '.join(repr(codec) for codec in CODECS)} (what a full "
-            f"synchronization sends: the model delta in that format, with error feedback); got {value!r}"
-        )
-    return value
+    return check_option("compression", value, CODECS,
+                        "what a full synchronization sends: the model delta in that format, with error feedback")
 
 
 def check_flag(name: str, value: object) -> bool:

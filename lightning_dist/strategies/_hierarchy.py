@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_dist.algorithms.arguments import check_option
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.comm import Communicator
@@ -37,12 +38,8 @@ HIERARCHIES = ("node",)
 
 def check_hierarchy(value: object) -> str | None:
     """``hierarchy``: None (every rank a learner) or ``"node"`` (one learner per node)."""
-    if value is not None and value not in HIERARCHIES:
-        raise ValueError(
-            f"hierarchy must be None (every rank is a learner) or 'node' (DDP inside each node, the protocol "
-            f"between nodes); got {value!r}"
-        )
-    return value
+    return check_option("hierarchy", value, HIERARCHIES,
+                        "None: every rank is a learner; 'node': DDP inside each node, the protocol between nodes")
 
 
 def _counted_allreduce(comm: Communicator, bucket):  # type: ignore[no-untyped-def]
