@@ -35,9 +35,13 @@ def two_nodes(tmp_path_factory):
     resumed = {"name": "resumed", **{key: runs[0][key] for key in ("record_vectors", "strategy")}, "ckpt_path": checkpoint}
     run_nodes(NODES, RANKS_PER_NODE, "fit", {**spec, "runs": [resumed]}, out / "same")
     results["resumed_same"] = load_results(out / "same" / "resumed", NODES * RANKS_PER_NODE)
+    # One node: the 2-node checkpoint resumed, and from the start the hierarchy against Lightning's DDP.
     one_node = {**spec, "trainer": {**spec["trainer"], "num_nodes": 1}}
-    run_nodes(1, RANKS_PER_NODE, "fit", {**one_node, "runs": [resumed]}, out / "one")
-    results["resumed_one_node"] = load_results(out / "one" / "resumed", RANKS_PER_NODE)
+    single = [resumed, {"name": "ddp", "record_vectors": True, "strategy": "ddp"},
+              {"name": "hierarchy", "record_vectors": True, "strategy": runs[0]["strategy"]}]
+    run_nodes(1, RANKS_PER_NODE, "fit", {**one_node, "runs": single}, out / "one")
+    for run in single:
+        results[f"one_node_{run['name']}"] = load_results(out / "one" / run["name"], RANKS_PER_NODE)
     results["checkpoint"] = torch.load(checkpoint, weights_only=False)
     return results
 
@@ -135,7 +139,7 @@ def test_resume_on_as_many_nodes_is_bit_exact_and_on_one_node_starts_from_the_co
     """The first epoch's checkpoint resumed by 2 nodes ends where the uninterrupted run does, bit for bit; resumed by
     1 node of 2 ranks (one learner, plain DDP then) every rank starts from the checkpoint's consensus and the two
     ranks stay equal."""
-    straight, same, one = two_nodes["periodic"], two_nodes["resumed_same"], two_nodes["resumed_one_node"]
+    straight, same, one = two_nodes["periodic"], two_nodes["resumed_same"], two_nodes["one_node_resumed"]
     for a, b in zip(straight, same):
         assert b["error"] is None, b["error"]
         assert torch.equal(a["vector"], b["vector"])
@@ -171,3 +175,16 @@ def test_segmented_gossip_between_nodes_pulls_each_part_from_the_other_node(two_
     gathers = NODES * RANKS_PER_NODE * (RANKS_PER_NODE - 1) * max(widths) * 4
     flags = NODES * RANKS_PER_NODE * (NODES * RANKS_PER_NODE - 1)  # the 1-byte finiteness all-gather over all ranks
     assert results[0]["comm"].bytes_by_purpose["protocol"] == rounds * (parts + gathers + flags)
+
+
+def test_a_single_node_trains_as_lightnings_ddp(two_nodes):
+    """hierarchy='node' on one node of 2 ranks is allowed and is DDP: the same model as Lightning's DDPStrategy after
+    every step (averaging one node changes nothing)."""
+    ddp, hierarchy = two_nodes["one_node_ddp"], two_nodes["one_node_hierarchy"]
+    for result in ddp + hierarchy:
+        assert result["error"] is None, result["error"]
+    assert torch.equal(hierarchy[0]["start_vector"], ddp[0]["start_vector"])
+    assert hierarchy[0]["step_vectors"].shape == ddp[0]["step_vectors"].shape
+    for rank in range(RANKS_PER_NODE):
+        assert torch.allclose(hierarchy[rank]["step_vectors"], ddp[rank]["step_vectors"], rtol=0, atol=1e-6), rank
+    assert hierarchy[0]["comm"].bytes_by_level["inter_node"] == 0

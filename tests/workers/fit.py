@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_dist
 from lightning_dist.data.datamodules import DigitsDataModule
+from lightning_dist.model_vector import ModelVector
 from lightning_dist.models import MLPClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers.user_models
@@ -34,9 +35,15 @@ class InjectNaN(Callback):
                 next(pl_module.parameters()).fill_(float("nan"))
 
 
+def vector_of(trainer, pl_module) -> torch.Tensor:
+    """The model as a vector: the strategy's view of it, or for Lightning's own strategies (DDP) the module's."""
+    vector = getattr(trainer.strategy, "model_vector", None) or ModelVector(pl_module)
+    return vector.get().clone()
+
+
 class RecordStepZeroVector(Callback):
     def on_train_start(self, trainer, pl_module):
-        self.start = trainer.strategy.model_vector.get().clone()
+        self.start = vector_of(trainer, pl_module)
 
 
 class RecordVectors(Callback):
@@ -46,7 +53,7 @@ class RecordVectors(Callback):
         self.vectors: list[torch.Tensor] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.vectors.append(trainer.strategy.model_vector.get().clone())
+        self.vectors.append(vector_of(trainer, pl_module))
 
 
 class RecordLossScale(Callback):
@@ -122,21 +129,24 @@ def fit(spec: dict) -> None:
         error = f"{type(exc).__name__}: {exc}"
     result = {"error": error, "rank": trainer.global_rank}
     if error is None:
-        strategy = trainer.strategy
         result.update(
-            vector=strategy.model_vector.get(),
+            vector=vector_of(trainer, model),
             start_vector=callbacks[0].start,
-            comm=strategy.comm_stats,
-            local_comm=strategy.comm.stats,
-            protocol=strategy.protocol_state_dict(),
-            metrics=strategy.protocol_metrics(),
-            syncs=strategy._syncs,
-            local_steps=strategy._local_steps,
             global_step=trainer.global_step,
             num_training_batches=trainer.num_training_batches,
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
             step_vectors=None if recorder is None else torch.stack(recorder.vectors),
         )
+        strategy = trainer.strategy
+        if isinstance(strategy, lightning_dist.LocalUpdateStrategy):
+            result.update(
+                comm=strategy.comm_stats,
+                local_comm=strategy.comm.stats,
+                protocol=strategy.protocol_state_dict(),
+                metrics=strategy.protocol_metrics(),
+                syncs=strategy._syncs,
+                local_steps=strategy._local_steps,
+            )
         if plugins:
             scale = next(callback for callback in callbacks if isinstance(callback, RecordLossScale))
             result.update(restored_loss_scale=scale.restored, saved_loss_scales=scale.saved)
