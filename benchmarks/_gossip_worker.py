@@ -230,7 +230,8 @@ def comm_result(strategy: Any, stats: Any) -> dict[str, Any]:
     if stats is None:
         return {}
     return dict(protocol_bytes=stats.protocol_bytes, bytes_sent=stats.bytes_sent,
-                bytes_by_purpose=dict(stats.bytes_by_purpose), syncs=stats.syncs,
+                bytes_by_purpose=dict(stats.bytes_by_purpose), bytes_by_level=dict(stats.bytes_by_level),
+                syncs=stats.syncs,
                 protocol_metrics=strategy.protocol_metrics())
 
 

@@ -74,8 +74,9 @@ def launch(
 
 
 def launch_on_network(network: Any, spec: dict[str, Any], work_dir: Path, timeout: float, port: int,
-                      worker: Path) -> dict[str, Any]:
-    """Run ``spec`` with ``worker``, one torchrun per node of a ``netns.Network``; return rank 0's JSON (plus ``launch_s``).
+                      worker: Path, ranks_per_node: int = 1) -> dict[str, Any]:
+    """Run ``spec`` with ``worker``, one torchrun of ``ranks_per_node`` ranks per node of a ``netns.Network`` (the ranks
+    of a node share its namespace: they talk inside it uncapped); return rank 0's JSON (plus ``launch_s``).
 
     The spec gets ``out`` (the result file) and ``work_dir``; each node's output goes to ``<name>.node<i>.log``.
     """
@@ -93,7 +94,8 @@ def launch_on_network(network: Any, spec: dict[str, Any], work_dir: Path, timeou
     start = time.perf_counter()
     for node, log in enumerate(logs):
         with log.open("w") as handle:
-            argv = network.torchrun_argv(node, [str(worker), str(spec_path)], master_port=port)
+            argv = network.torchrun_argv(node, [str(worker), str(spec_path)], master_port=port,
+                                         nproc_per_node=ranks_per_node)
             processes.append(network.run(node, argv, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO))
     deadline = start + timeout
     codes: list[int | None] = []

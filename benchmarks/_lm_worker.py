@@ -66,7 +66,10 @@ INTERFACE_STATS = Path("/sys/class/net/eth0/statistics")
 
 
 def wire_bytes() -> tuple[int, int]:
-    """Bytes this namespace's interface has sent and received so far (0, 0 outside a namespace)."""
+    """Bytes this namespace's interface has sent and received so far (0, 0 outside a namespace). Only a node's local
+    rank 0 reads them, so that a sum over ranks counts each namespace (node) once."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return (0, 0)
     try:
         return (int((INTERFACE_STATS / "tx_bytes").read_text()), int((INTERFACE_STATS / "rx_bytes").read_text()))
     except OSError:
