@@ -166,7 +166,7 @@ class ReplicaCheckpoints:
             self._compressed.load_state_dict(saved, self.root_device)
         else:
             assert consensus is not None
-            self._compressed.restart(consensus)
+            self._compressed.restart(self.learner_part(consensus))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         state = checkpoint.get(CHECKPOINT_KEY)

@@ -280,7 +280,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             return self.average_all(purpose)
         local = self.model_vector.get()
         self.raise_if_non_finite(local)  # before a non-finite delta turns a block's scale non-finite
-        return self._compressed.average(self.comm, local, purpose)
+        return self.learner_whole(self._compressed.average(self.learners, self.learner_part(local), purpose), purpose)
 
     def set_common_model(self, vector: Tensor) -> None:
         """Every replica now holds ``vector``: after a full synchronization, at the start and at the end of ``fit``.
@@ -288,7 +288,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         self.model_vector.set(vector)
         self._replicas_in_sync = True
         if self._compressed is not None:
-            self._compressed.hold(vector)
+            self._compressed.hold(self.learner_part(vector))
 
     def average_all(self, purpose: str) -> Tensor:
         """The mean of all replicas (an all-reduce); raises if any replica is non-finite.

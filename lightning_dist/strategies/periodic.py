@@ -73,11 +73,6 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 "the ranks, whose models share no common model to send deltas from"
             )
         super().__init__(seed=seed, **kwargs)
-        if client_fraction < 1:
-            self.refuse_hierarchy(f"client_fraction={client_fraction} (FedAvg's subsets of nodes) is not built yet; "
-                                  "use client_fraction=1")
-        if self.compression is not None:
-            self.refuse_hierarchy("compressed synchronizations between nodes are not built yet; use compression=None")
         self.period = period
         self.client_fraction = client_fraction
         self.outer_optimizer = outer_optimizer
@@ -89,16 +84,17 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
     def after_local_step(self, step: int) -> None:
         if step % self.period != 0:
             return
-        world_size = self.comm.world_size
-        participants = sample_participants(world_size, self.client_fraction, self._generator)
-        if len(participants) == world_size:
+        learners = self.learners.world_size  # ranks, or nodes under a hierarchy
+        participants = sample_participants(learners, self.client_fraction, self._generator)
+        if len(participants) == learners:
             mean = self.synchronize_all("protocol")
             self.set_common_model(mean if self._outer is None else self._outer.step(mean))
         else:
-            self.raise_if_non_finite(self.model_vector.get())
-            mean = average_subset(self.comm, self.model_vector.get(), participants, "protocol")
-            if mean is not None:
-                self.model_vector.set(mean)
+            local = self.model_vector.get()
+            self.raise_if_non_finite(local)
+            mean = average_subset(self.learners, self.learner_part(local), participants, "protocol")
+            if mean is not None:  # a participant (under a hierarchy, every rank of a participating node)
+                self.model_vector.set(self.learner_whole(mean, "protocol"))
         self._syncs += 1
 
     def protocol_state_dict(self) -> dict[str, Any]:
