@@ -105,6 +105,14 @@ class Communicator:
             raise ValueError("this Communicator counts into another one's stats; set those")
         self._stats = stats
 
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this group's ``rank`` (what torch's point-to-point calls take)."""
+        return self._global_ranks[rank]
+
+    def group_rank(self, global_rank: int) -> int:
+        """This group's rank of the process with ``global_rank`` (what a receive from any source reports)."""
+        return self._global_ranks.index(global_rank)
+
     def _record(self, purpose: str, num_bytes: int, num_messages: int) -> None:
         self.stats.record(purpose, num_bytes, num_messages, self.level)
 

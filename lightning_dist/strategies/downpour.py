@@ -20,6 +20,12 @@ Lightning upgrade moves that broadcast, ``setup`` raises instead of silently run
 What stays synchronous: validation and checkpoints at epoch ends (Lightning's own collectives),
 which evaluate and save the server's global model, and the end of ``fit``, where every rank
 waits for the others and receives the final global model.
+
+With ``hierarchy="node"`` a node is one worker (DDP inside it) and the server is sharded the way the
+hierarchy cuts exchanges: local rank ``j`` of every node pushes chunk ``j`` of the node's model to a
+server thread on node 0's local rank ``j``, over a Gloo group of the ranks with that local rank
+(Dean et al.'s parameter server is sharded too). Shards apply pushes independently, so a node's model
+after a push is assembled (an all-gather inside the node) from chunks at their shards' own versions.
 """
 
 from __future__ import annotations
@@ -106,7 +112,6 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         codec = check_compression(compression)
         # Not the base class's compressed full synchronizations: Downpour has none (its consensus is a broadcast).
         super().__init__(**kwargs)
-        self.refuse_hierarchy("one worker per node pushing to a sharded server is not built yet")
         self.compression = codec
         self.push_every = push_every
         self.synchronous = synchronous
@@ -134,7 +139,12 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         # Gloo whatever the model's backend: the server receives from any rank, which NCCL cannot.
         if self._ps_comm is not None:
             self._ps_comm.close()
-        self._ps_comm = Communicator(new_group(backend="gloo", timeout=self._timeout))
+        if self._hierarchy is None:
+            self._ps_comm = Communicator(new_group(backend="gloo", timeout=self._timeout))
+        else:  # one server shard per local rank: the ranks of that local rank, one per node
+            group, _ = dist.new_subgroups_by_enumeration(self._hierarchy.layout.slices(), timeout=self._timeout,
+                                                         backend="gloo")
+            self._ps_comm = Communicator(group, level="inter_node")
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -149,18 +159,18 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         setattr(epoch_loop, _SIGTERM_BROADCAST, lambda: None)
 
     def on_replicas_initialized(self, vector: Tensor) -> None:
-        self._pulled = vector.detach().cpu().clone()
+        self._pulled = self.learner_part(vector).detach().cpu().clone()
         self._pulled_version = 0
         self._steps_since_push = 0
         if self.compression is not None:
-            self._pushes = CompressedPushes(self.compression, self._pulled, self.model_vector.num_parameters)
+            self._pushes = CompressedPushes(self.compression, self._pulled, self.learner_num_parameters())
 
     def on_train_start(self) -> None:
         super().on_train_start()
         ps_comm = self._require_ps_comm()
         if ps_comm.rank == SERVER_RANK:
             assert self._pulled is not None
-            num_parameters = self.model_vector.num_parameters
+            num_parameters = self.learner_num_parameters()
             model = GlobalModel(self._pulled, num_parameters, ps_comm.world_size, self.max_staleness,
                                 self.staleness_aware)
             if self._restored_server is not None:
@@ -192,8 +202,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
 
     def _push(self) -> None:
         assert self._pulled is not None
-        local = self.model_vector.get().cpu()
-        message = push_message(local, self._pulled, self.model_vector.num_parameters)
+        local = self.learner_part(self.model_vector.get()).cpu()
+        message = push_message(local, self._pulled, self.learner_num_parameters())
         if self._server is not None:
             reply = self._server.push_local(message, self._pulled_version)
             vector = reply.vector
@@ -207,10 +217,10 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             vector = self._pushes.decode_reply(reply.vector)
         if not reply.applied:
             self._rejected_pushes += 1
-        self.model_vector.set(vector.to(self.root_device))
+        self.model_vector.set(self.learner_whole(vector.to(self.root_device), "protocol"))
         # What the replica now holds (the float32 reply rounded to the model's dtype), so the next
         # update is exactly the local change and the server's float32 bits are never pushed back.
-        self._pulled = self.model_vector.get().cpu()
+        self._pulled = self.learner_part(self.model_vector.get()).cpu()
         self._pulled_version = reply.version
         self._steps_since_push = 0
         self._syncs += 1
@@ -223,7 +233,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         update could land between the validation's snapshot and the checkpoint's, and the best
         checkpoint would hold another model than the one that scored best.
         """
-        like = self.model_vector.get()
+        like = self.learner_part(self.model_vector.get())
         if self._server is not None or self._client is not None:
             dist.barrier(group=self.comm.group)
         if self._server is not None:
@@ -231,7 +241,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             vector = vector.to(like.device, like.dtype)
         else:
             vector = torch.empty_like(like)
-        return self.comm.broadcast_(vector, src=SERVER_RANK, purpose=purpose)
+        # Each shard's part from its server (node 0's ranks under a hierarchy), then the parts inside every node.
+        return self.learner_whole(self.learners.broadcast_(vector, src=SERVER_RANK, purpose=purpose), purpose)
 
     def on_train_end(self) -> None:
         if self._server is not None or self._client is not None:
@@ -259,8 +270,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         ranks pushed since, a second time. The version comes from the server (8 bytes from rank 0).
         """
         version = torch.tensor([self._server.version() if self._server is not None else 0], device=self.root_device)
-        self.comm.broadcast_(version, src=SERVER_RANK, purpose="final")
-        self._pulled = vector.detach().cpu().clone()
+        self.learners.broadcast_(version, src=SERVER_RANK, purpose="final")  # this rank's shard's version
+        self._pulled = self.learner_part(vector).detach().cpu().clone()
         self._pulled_version = int(version.item())
         self._steps_since_push = 0
 
@@ -308,12 +319,18 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
                 self._checkpoint_server_state = self._server.state_dict()
         return super().lightning_module_state_dict()
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._checkpoint_server_state = None  # taken for this checkpoint only
+
+    def _server_state(self) -> dict[str, Any] | None:
+        """This rank's server (shard) state: as of the checkpoint's barrier while one is written, else now."""
+        if self._checkpoint_server_state is not None:
+            return self._checkpoint_server_state
+        return self._server.state_dict() if self._server is not None else self._final_server_state
+
     def protocol_state_dict(self) -> dict[str, Any]:
-        state = self._checkpoint_server_state
-        self._checkpoint_server_state = None
-        if state is None:
-            state = self._server.state_dict() if self._server is not None else self._final_server_state
-        return {"server": state}
+        return {"server": self._server_state()}
 
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
         self._restored_server = state["server"]
@@ -321,12 +338,16 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
     def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
         """The server's global model, version and counters kept; its per-worker buffers reset to the global model's
         for the ranks now present (their mean, the global model's buffers, is unchanged)."""
-        server = state["server"]
-        if server is None:  # saved before the server started: it starts from the consensus as in a new fit
-            return state
+        return {**state, "server": self._with_fresh_buffers(state["server"])}
+
+    def _with_fresh_buffers(self, server: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """``server``'s state with every worker's buffer entry the global model's (one per worker now: a rank, or a
+        node under a hierarchy); None (saved before the server started: it starts from the consensus) stays."""
+        if server is None:
+            return None
         vector, worker_buffers = server["vector"], server["worker_buffers"]
         buffers = vector[vector.numel() - worker_buffers.shape[1]:]
-        return {**state, "server": {**server, "worker_buffers": buffers.repeat(self.world_size, 1)}}
+        return {**server, "worker_buffers": buffers.repeat(self.num_learners, 1)}
 
     def resized_worker_state(self, saved: Sequence[Mapping[str, Any]], written_by: int) -> Mapping[str, Any]:
         """A worker continues from the model it now holds (the checkpoint's), pulled at the server's version, with
@@ -334,9 +355,11 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         rank, world_size = self.comm.rank, self.world_size
         pushes, rejected = counters_kept_in_total(
             [[worker["pushes"], worker["rejected_pushes"]] for worker in saved], rank, world_size)
+        if self._hierarchy is not None:
+            self._restored_server = self._resized_shard(saved)
         server = self._restored_server
         return {
-            "pulled": self.model_vector.get().cpu(),
+            "pulled": self.learner_part(self.model_vector.get()).cpu(),
             "pulled_version": 0 if server is None else int(server["version"]),
             "steps_since_push": 0,
             "rejected_pushes": rejected,
@@ -344,9 +367,26 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             "ps_comm": resized_comm_stats([worker["ps_comm"] for worker in saved], rank, world_size).state_dict(),
         }
 
+    def _resized_shard(self, saved: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+        """Under a hierarchy at another number of nodes: the server shard of this rank's local rank as saved (by the
+        saved node 0's rank of that local rank), with fresh per-node buffers. The shards are cut per local rank, so
+        the number of ranks per node must stay."""
+        assert self._hierarchy is not None
+        saved_per_node = 1 + max(int(worker["local_rank"]) for worker in saved)
+        if saved_per_node != self._hierarchy.node.world_size:
+            raise ValueError(
+                f"DownpourSGDStrategy with hierarchy='node' resumes at another number of nodes only with the same "
+                f"devices per node (its server is sharded per local rank): the checkpoint has {saved_per_node} ranks "
+                f"per node, this run {self._hierarchy.node.world_size}"
+            )
+        local = self._hierarchy.node.rank
+        shard = next((worker["server_shard"] for worker in saved
+                      if int(worker["local_rank"]) == local and worker.get("server_shard") is not None), None)
+        return self._with_fresh_buffers(shard)
+
     def worker_state_dict(self) -> dict[str, Any]:
         ps_stats = self._ps_comm.stats.state_dict() if self._ps_comm is not None else None
-        return {
+        state = {
             "pulled": None if self._pulled is None else self._pulled.clone(),
             "pulled_version": self._pulled_version,
             "steps_since_push": self._steps_since_push,
@@ -354,6 +394,9 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             "pushes": self._syncs,
             "ps_comm": ps_stats,
         }
+        if self._hierarchy is not None:  # the server is sharded: each shard's state with the rank that serves it
+            state.update(local_rank=self._hierarchy.node.rank, server_shard=self._server_state())
+        return state
 
     def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("pulled") is not None:
@@ -364,6 +407,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._syncs = int(state.get("pushes", self._syncs))  # per rank: ranks push at their own pace
         if state.get("ps_comm") is not None:
             self._require_ps_comm().stats = CommStats.from_state_dict(state["ps_comm"])
+        if state.get("server_shard") is not None:  # a shard's server rank under a hierarchy: its own shard
+            self._restored_server = state["server_shard"]
 
     def compression_state_dict(self) -> dict[str, Any] | None:
         """This worker's push residual and mirror (the server's mirrors are in the protocol state)."""
@@ -381,7 +426,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             self._restarted_mirror = None
         else:
             assert consensus is not None
-            self._pushes = CompressedPushes(self.compression, consensus.cpu(), self.model_vector.num_parameters)
+            self._pushes = CompressedPushes(self.compression, self.learner_part(consensus).cpu(),
+                                            self.learner_num_parameters())
             self._restarted_mirror = self._pushes.mirror.clone()
 
     def _require_ps_comm(self) -> Communicator:

@@ -181,6 +181,11 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         return self._vector
 
     @property
+    def num_learners(self) -> int:
+        """How many learners train: every rank, or one per node under a hierarchy (known before set-up)."""
+        return self.world_size if self.hierarchy is None else self.num_nodes
+
+    @property
     def learners(self) -> Communicator:
         """The communicator among learners: every rank, or with ``hierarchy="node"`` this rank's slice group (the
         ranks of this local rank, one per node; its rank is the node's index), over which it carries its part of
@@ -199,6 +204,13 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         start, stop = self._hierarchy.bounds(self.model_vector.numel)[self._hierarchy.node.rank]
         return stop - start
 
+    def learner_num_parameters(self) -> int:
+        """How many of :meth:`learner_part`'s elements are parameters (the model vector's first ``num_parameters``)."""
+        if self._hierarchy is None:
+            return self.model_vector.num_parameters
+        start, stop = self._hierarchy.bounds(self.model_vector.numel)[self._hierarchy.node.rank]
+        return max(0, min(stop, self.model_vector.num_parameters) - start)
+
     def learner_whole(self, part: Tensor, purpose: str) -> Tensor:
         """The model whose :meth:`learner_part` this rank holds (under a hierarchy an all-gather inside the node)."""
         return part if self._hierarchy is None else self._hierarchy.whole(part, self.model_vector.numel, purpose)
@@ -206,11 +218,6 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
     def learner_sum(self, value: float, purpose: str) -> float:
         """A learner's total of a quantity its ranks measured on their parts (under a hierarchy, summed in the node)."""
         return value if self._hierarchy is None else self._hierarchy.node_sum(value, self.root_device, purpose)
-
-    def refuse_hierarchy(self, reason: str) -> None:
-        """Raise, naming the strategy, if it was given a ``hierarchy`` it cannot run (``reason`` says why)."""
-        if self.hierarchy is not None:
-            raise ValueError(f"{type(self).__name__} does not support hierarchy={self.hierarchy!r}: {reason}")
 
     # ------------------------------------------------------------ subclass API
 

@@ -66,7 +66,7 @@ def _header(*values: int) -> Tensor:
 
 
 class _Channel:
-    """Tagged, counted point-to-point messages on the parameter-server group (CPU tensors)."""
+    """Tagged, counted point-to-point messages on the parameter-server group (CPU tensors); ranks are the group's."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
@@ -76,17 +76,18 @@ class _Channel:
     def send(self, tensor: Tensor, dst: int, tag: int) -> None:
         # Two threads of rank 0 (server and trainer) may answer workers; one send at a time.
         with self._send_lock:
-            dist.send(tensor.contiguous(), dst=dst, group=self.group, tag=tag)
+            dist.send(tensor.contiguous(), dst=self.comm.global_rank(dst), group=self.group, tag=tag)
             self.comm.stats.record("protocol", tensor.numel() * tensor.element_size(), 1)
 
     def recv_header(self, src: int | None = None) -> tuple[int, list[int]]:
         header = torch.empty(4, dtype=torch.int64)
-        sender = dist.recv(header, src=src, group=self.group, tag=HEADER_TAG)
-        return sender, header.tolist()
+        sender = dist.recv(header, src=None if src is None else self.comm.global_rank(src), group=self.group,
+                           tag=HEADER_TAG)
+        return self.comm.group_rank(sender), header.tolist()
 
     def recv_vector(self, like: Tensor, src: int) -> Tensor:
         vector = torch.empty_like(like)
-        dist.recv(vector, src=src, group=self.group, tag=VECTOR_TAG)
+        dist.recv(vector, src=self.comm.global_rank(src), group=self.group, tag=VECTOR_TAG)
         return vector
 
 
