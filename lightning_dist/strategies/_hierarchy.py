@@ -9,7 +9,9 @@ it with local rank ``j`` of every other node (its slice group), and the node all
 of the mean. Each rank's link carries ``1/L`` of the model (``L`` ranks per node), all ``L`` links at
 once: ``2 (N - 1) / N`` of ``1/L`` of the model sent per rank and exchange between ``N`` nodes, where
 a flat all-reduce over ``N L`` ranks sends ``2 (N L - 1) / (N L)`` of the whole model per rank, most
-of it across the slow links.
+of it across the slow links. A leader per node (one rank exchanging the whole model for its node while
+the others wait) would move the same bytes through one rank's link, ``L`` times slower where each GPU
+has its own network path (multi-rail nodes), and gains nothing where they share one NIC.
 
 Bytes are counted in the strategy's counters and by level (:data:`lightning_dist.comm.stats.LEVELS`): the
 slice groups' ``inter_node``, the node groups' ``intra_node``, DDP's gradient all-reduce included (a comm hook that
