@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -170,19 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     netns.require_network("lm_hierarchy.py")
     calibration = json.loads((MEASURED / f"{lm_network.PREFIX}_calibration.json").read_text())
-    runs = methods(calibration["thresholds"])
-    if args.methods:
-        runs = [run for run in runs if run["name"] in args.methods]
-    import lightning
-    import torch
-
+    runs = lm_network.chosen(methods(calibration["thresholds"]), args.methods)
     started = time.perf_counter()
-    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
     report: dict[str, Any] = {"config": {
         **lm_network.TASK, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "bandwidths": args.bandwidths,
-        "seeds": args.seeds, "budget_s": args.budget, "methods": runs, "quick": args.quick, "command": command,
-        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-        "date": time.strftime("%Y-%m-%d")}}
+        "seeds": args.seeds, "budget_s": args.budget, "methods": runs, "quick": args.quick,
+        **lm_network.provenance(argv)}}
     report["launches"] = sweep(args, runs)
     report["config"]["wall_s"] = time.perf_counter() - started
     if lm_network.all_runs(report):

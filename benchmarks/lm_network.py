@@ -162,6 +162,21 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
     ]
 
 
+def chosen(runs: list[dict[str, Any]], names: list[str] | None) -> list[dict[str, Any]]:
+    """The runs named in ``names`` (all of them when None)."""
+    return runs if not names else [run for run in runs if run["name"] in names]
+
+
+def provenance(argv: list[str] | None) -> dict[str, Any]:
+    """What made a report: the command line, the versions and the date."""
+    import lightning
+    import torch
+
+    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    return {"command": command, "python": platform.python_version(), "torch": torch.__version__,
+            "lightning": lightning.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
 def spec_of(args: argparse.Namespace, name: str, seed: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"name": name, **TASK, "seed": seed, "budget_s": args.budget, "snapshots": SNAPSHOTS,
             "eval_sequences": EVAL_SEQUENCES, "runs": runs}
@@ -437,20 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no {calibration_path}: run `python benchmarks/lm_network.py --calibrate` first", file=sys.stderr)
         return 2
     calibration = json.loads(calibration_path.read_text())
-    runs = methods(calibration["thresholds"])
-    if args.methods:
-        runs = [run for run in runs if run["name"] in args.methods]
-    import lightning
-    import torch
-
+    runs = chosen(methods(calibration["thresholds"]), args.methods)
     started = time.perf_counter()
-    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
     report: dict[str, Any] = {"config": {
         **TASK, "ranks": args.ranks, "bandwidths": args.bandwidths, "headline_mbit": args.headline_mbit,
         "seeds": args.seeds or SEEDS, "budget_s": args.budget, "snapshots": SNAPSHOTS, "eval_sequences": EVAL_SEQUENCES,
-        "methods": runs, "calibration": calibration, "quick": args.quick, "command": command,
-        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-        "date": time.strftime("%Y-%m-%d")}}
+        "methods": runs, "calibration": calibration, "quick": args.quick, **provenance(argv)}}
     launches = sweep(args, runs)
     if args.merge and json_path.exists():
         launches = merged(json.loads(json_path.read_text())["launches"], launches)
