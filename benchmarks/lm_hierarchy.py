@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm_network  # noqa: E402  (sibling scripts, not a package)
 import netns  # noqa: E402
-from _launch import REPO, RunFailed, launch_on_network  # noqa: E402
+from _launch import REPO  # noqa: E402
 
 PREFIX = "lm_hierarchy"
 NODES, RANKS_PER_NODE = 2, 2
@@ -64,22 +64,8 @@ def sweep(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str
         for mbit in args.bandwidths:
             network.set_caps(mbit, None)
             for seed in args.seeds:
-                name = f"{PREFIX}_{mbit:g}mbit_seed{seed}"
-                print(f"{name}: {len(runs)} methods x {args.budget:g} s on {args.nodes} x {args.ranks_per_node} ...",
-                      flush=True)
-                spec = lm_network.spec_of(args, name, seed, runs)
-                try:
-                    raw = launch_on_network(network, spec, args.out / "runs", lm_network.timeout_of(runs, args.budget),
-                                            MASTER_PORT + len(launches) % 50, lm_network.WORKER, args.ranks_per_node)
-                except RunFailed as exc:
-                    print(f"FAILED: {exc}", file=sys.stderr)
-                    launches.append({"node_mbit": mbit, "seed": seed, "error": str(exc)})
-                    continue
-                labels = {run["name"]: run["label"] for run in runs}
-                for run in raw["runs"]:
-                    run.update(label=labels[run["name"]], node_mbit=mbit, seed=seed)
-                launches.append({"node_mbit": mbit, "seed": seed, "launch_s": raw["launch_s"], "runs": raw["runs"]})
-                print(f"  done in {raw['launch_s']:.0f} s", flush=True)
+                launches.append(lm_network.run_launch(args, network, f"{PREFIX}_{mbit:g}mbit_seed{seed}", mbit, seed,
+                                                      runs, MASTER_PORT + len(launches) % 50, args.ranks_per_node))
     return launches
 
 

@@ -222,28 +222,32 @@ def seeds_at(args: argparse.Namespace, mbit: float) -> list[int]:
     return SEEDS if mbit == args.headline_mbit else SEEDS[:1]
 
 
+def run_launch(args: argparse.Namespace, network: Any, name: str, mbit: float, seed: int, runs: list[dict[str, Any]],
+               port: int, ranks_per_node: int = 1) -> dict[str, Any]:
+    """One launch of every method of ``runs`` on ``network`` (capped at ``mbit``): its runs, labelled, or its error."""
+    print(f"{name}: {len(runs)} methods x {args.budget:g} s on {network.nodes} node(s) x {ranks_per_node} ...", flush=True)
+    try:
+        raw = launch_on_network(network, spec_of(args, name, seed, runs), args.out / "runs",
+                                timeout_of(runs, args.budget), port, WORKER, ranks_per_node)
+    except RunFailed as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return {"node_mbit": mbit, "seed": seed, "error": str(exc)}
+    labels = {run["name"]: run["label"] for run in runs}
+    for run in raw["runs"]:
+        run.update(label=labels[run["name"]], node_mbit=mbit, seed=seed)
+    print(f"  done in {raw['launch_s']:.0f} s", flush=True)
+    return {"node_mbit": mbit, "seed": seed, "launch_s": raw["launch_s"], "runs": raw["runs"], "corpus": raw["corpus"]}
+
+
 def sweep(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results = []
     with netns.Network(nodes=args.ranks, node_mbit=args.bandwidths[0]) as network:
         for mbit in args.bandwidths:
             network.set_caps(mbit, None)
             for seed in seeds_at(args, mbit):
-                name = f"{PREFIX}_{mbit:g}mbit_seed{seed}"
                 launch_runs = [run for run in runs if mbit == args.headline_mbit or not run.get("headline_only")]
-                print(f"{name}: {len(launch_runs)} methods x {args.budget:g} s ...", flush=True)
-                try:
-                    raw = launch_on_network(network, spec_of(args, name, seed, launch_runs), args.out / "runs",
-                                            timeout_of(launch_runs, args.budget), MASTER_PORT + len(results) % 50, WORKER)
-                except RunFailed as exc:
-                    print(f"FAILED: {exc}", file=sys.stderr)
-                    results.append({"node_mbit": mbit, "seed": seed, "error": str(exc)})
-                    continue
-                labels = {run["name"]: run["label"] for run in runs}
-                for run in raw["runs"]:
-                    run.update(label=labels[run["name"]], node_mbit=mbit, seed=seed)
-                results.append({"node_mbit": mbit, "seed": seed, "launch_s": raw["launch_s"], "runs": raw["runs"],
-                                "corpus": raw["corpus"]})
-                print(f"  done in {raw['launch_s']:.0f} s", flush=True)
+                results.append(run_launch(args, network, f"{PREFIX}_{mbit:g}mbit_seed{seed}", mbit, seed, launch_runs,
+                                          MASTER_PORT + len(results) % 50))
     return results
 
 
