@@ -164,7 +164,7 @@ class Communicator:
         wire = self._to_wire(tensor)
         gathered = wire.new_empty(self.world_size, *wire.shape) if self.rank == dst else None
         outputs = list(gathered.unbind(0)) if gathered is not None else None
-        work = dist.gather(wire, outputs, dst=self._global_ranks[dst], group=self.group, async_op=True)
+        work = dist.gather(wire, outputs, dst=self.global_rank(dst), group=self.group, async_op=True)
         if self.rank != dst:
             self._record(purpose, _nbytes(tensor), 1)
         return PendingGather(work, gathered, tensor.device)
@@ -192,7 +192,7 @@ class Communicator:
     def broadcast_(self, tensor: Tensor, src: int, purpose: str) -> Tensor:
         """Overwrite ``tensor`` on every rank with ``src``'s copy. Counted at the source."""
         wire = self._to_wire(tensor)
-        dist.broadcast(wire, src=self._global_ranks[src], group=self.group)
+        dist.broadcast(wire, src=self.global_rank(src), group=self.group)
         if wire is not tensor:
             tensor.copy_(wire)
         if self.rank == src:
@@ -202,7 +202,7 @@ class Communicator:
     def send(self, tensor: Tensor, destinations: Sequence[int], purpose: str) -> None:
         """Send ``tensor`` to each destination rank (one message each), waiting for completion."""
         wire = self._to_wire(tensor)
-        requests = [dist.isend(wire, dst=self._global_ranks[dst], group=self.group) for dst in destinations]
+        requests = [dist.isend(wire, dst=self.global_rank(dst), group=self.group) for dst in destinations]
         for request in requests:
             request.wait()
         self._record(purpose, len(destinations) * _nbytes(tensor), len(destinations))
@@ -210,7 +210,7 @@ class Communicator:
     def receive(self, like: Tensor, sources: Sequence[int]) -> list[Tensor]:
         """One tensor shaped like ``like`` (its dtype, on its device) from each source rank, in the order of ``sources``."""
         buffers = [torch.empty(like.shape, dtype=like.dtype, device=self.wire_device(like.device)) for _ in sources]
-        requests = [dist.irecv(buffer, src=self._global_ranks[src], group=self.group)
+        requests = [dist.irecv(buffer, src=self.global_rank(src), group=self.group)
                     for buffer, src in zip(buffers, sources)]
         for request in requests:
             request.wait()
@@ -230,10 +230,10 @@ class Communicator:
         # same connection as the payloads. Posted after the sends, a rank's announcement queued behind its own
         # payload, so the two directions of a pair ran one after the other (measured: 1.85x the time of an
         # all-reduce among the same ranks at 20 Mbit/s, benchmarks/balancing_sync.py).
-        peer = self._global_ranks
-        operations = [dist.P2POp(dist.irecv, wire, peer[src], group=self.group)
+        operations = [dist.P2POp(dist.irecv, wire, self.global_rank(src), group=self.group)
                       for (_, wire), (_, src) in zip(staged, receives)]
-        operations += [dist.P2POp(dist.isend, self._to_wire(tensor), peer[dst], group=self.group) for tensor, dst in sends]
+        operations += [dist.P2POp(dist.isend, self._to_wire(tensor), self.global_rank(dst), group=self.group)
+                       for tensor, dst in sends]
         if operations:
             for request in dist.batch_isend_irecv(operations):
                 request.wait()

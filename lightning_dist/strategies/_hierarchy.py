@@ -89,10 +89,14 @@ class NodeHierarchy:
         """The ``L`` nearly equal chunks of a vector of ``numel`` elements, local rank ``j`` carrying chunk ``j``."""
         return list(chunk_bounds(numel, list(range(self.node.world_size))).values())
 
+    def own_bounds(self, numel: int) -> tuple[int, int]:
+        """``[start, stop)`` of the chunk this rank carries."""
+        return self.bounds(numel)[self.node.rank]
+
     def part(self, vector: Tensor, numel: int) -> Tensor:
         """This rank's chunk of a model-sized vector of ``numel`` elements; ``vector`` may be shorter (the parameters
         only, as a reference model is), and its part then ends where it does."""
-        start, stop = self.bounds(numel)[self.node.rank]
+        start, stop = self.own_bounds(numel)
         return vector[start:stop]
 
     def whole(self, part: Tensor, numel: int, purpose: str) -> Tensor:

@@ -204,17 +204,13 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         assert self._pulled is not None
         local = self.learner_part(self.model_vector.get()).cpu()
         message = push_message(local, self._pulled, self.learner_num_parameters())
+        compressed = self._server is None and self._pushes is not None  # rank 0's own pushes are local calls
         if self._server is not None:
             reply = self._server.push_local(message, self._pulled_version)
-            vector = reply.vector
-        elif self._pushes is None:
-            assert self._client is not None
-            reply = self._client.push(message, self._pulled_version)
-            vector = reply.vector
         else:
             assert self._client is not None
-            reply = self._client.push(self._pushes.encode_push(message), self._pulled_version)
-            vector = self._pushes.decode_reply(reply.vector)
+            reply = self._client.push(self._pushes.encode_push(message) if compressed else message, self._pulled_version)
+        vector = self._pushes.decode_reply(reply.vector) if compressed else reply.vector
         if not reply.applied:
             self._rejected_pushes += 1
         self.model_vector.set(self.learner_whole(vector.to(self.root_device), "protocol"))

@@ -201,14 +201,14 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         """How many elements of the model vector :meth:`learner_part` holds."""
         if self._hierarchy is None:
             return self.model_vector.numel
-        start, stop = self._hierarchy.bounds(self.model_vector.numel)[self._hierarchy.node.rank]
+        start, stop = self._hierarchy.own_bounds(self.model_vector.numel)
         return stop - start
 
     def learner_num_parameters(self) -> int:
         """How many of :meth:`learner_part`'s elements are parameters (the model vector's first ``num_parameters``)."""
         if self._hierarchy is None:
             return self.model_vector.num_parameters
-        start, stop = self._hierarchy.bounds(self.model_vector.numel)[self._hierarchy.node.rank]
+        start, stop = self._hierarchy.own_bounds(self.model_vector.numel)
         return max(0, min(stop, self.model_vector.num_parameters) - start)
 
     def learner_whole(self, part: Tensor, purpose: str) -> Tensor:
