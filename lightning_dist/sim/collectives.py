@@ -35,17 +35,27 @@ Bytes are counted as :class:`~lightning_dist.comm.Communicator` counts them, so 
 compare with a strategy's ``protocol`` bytes: an all-reduce records ``2 (N - 1) M`` bytes in total,
 ``floor`` of an equal share per member with the remainder on the first member, and ``2 (N - 1)``
 messages per member; an all-gather ``(N - 1) b`` bytes and ``N - 1`` messages per member.
+
+Machines of several ranks (:mod:`lightning_dist.sim.machines`): a ring step lasts as long as its slowest
+port (:meth:`Machines.ring_step <lightning_dist.sim.machines.Machines.ring_step>`: a machine's interface
+carries one chunk per ring edge leaving it, the edges inside machines go at the intra rate), and the ring's
+bytes count as ``inter_node`` in the share of its edges that cross between machines, the rest as
+``intra_node``. With one learner per machine the result reaches the members once each machine has
+all-gathered it (``M`` of an all-reduce, the ``N b`` of an all-gather), counted ``intra_node``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import simpy
 
 from lightning_dist.sim.network import Network, NetworkModel
+
+if TYPE_CHECKING:
+    from lightning_dist.sim.machines import Machines
 
 
 def ring_step_seconds(model: NetworkModel, members: int, chunk_bytes: float) -> float:
@@ -81,9 +91,9 @@ class _Pending:
 class Collectives:
     """The collectives in progress on one simulator, each named by a key its members share."""
 
-    def __init__(self, env: simpy.Environment, model: NetworkModel, network: Network) -> None:
+    def __init__(self, env: simpy.Environment, machines: Machines, network: Network) -> None:
         self.env = env
-        self.model = model
+        self.machines = machines
         self.network = network
         self._pending: dict[Hashable, _Pending] = {}
 
@@ -145,15 +155,22 @@ class Collectives:
         count = len(pending.members)
         result = pending.combine([pending.payloads[member] for member in pending.members])
         if pending.kind == "all_reduce":
-            seconds = ring_all_reduce_seconds(self.model, count, pending.nbytes)
+            steps, chunk, arrived = 2 * (count - 1), pending.nbytes / count, pending.nbytes
             total = 2 * (count - 1) * pending.nbytes
             shares = [total // count] * count
             shares[0] += total % count
             messages = 2 * (count - 1)
         else:
-            seconds = ring_all_gather_seconds(self.model, count, pending.nbytes)
+            steps, chunk, arrived = count - 1, pending.nbytes, count * pending.nbytes
+            total = count * (count - 1) * pending.nbytes
             shares = [(count - 1) * pending.nbytes] * count
             messages = count - 1
+        step_seconds, crossing = self.machines.ring_step(pending.members, chunk) if count > 1 else (0.0, 0)
+        gather_seconds, gather_bytes = self.machines.arrival(pending.members[0], arrived)
         for member, share in zip(pending.members, shares):
             self.network.count(member, share, messages)
+        inter = total * crossing // count
+        self.network.count_level("inter_node", inter)
+        self.network.count_level("intra_node", total - inter + count * gather_bytes)
+        seconds = steps * step_seconds + gather_seconds
         self.env.timeout(seconds).callbacks.append(lambda _event: pending.done.succeed(result))

@@ -33,6 +33,7 @@ import simpy
 from torch import Tensor
 
 from lightning_dist.sim.collectives import Collectives
+from lightning_dist.sim.machines import Machines
 from lightning_dist.sim.network import Network, NetworkModel
 
 T = TypeVar("T")
@@ -187,7 +188,8 @@ class Node:
 
     def execute(self, fn: Callable[..., T], *args: Any, kind: str = "step") -> Generator[simpy.Event, Any, T]:
         """Run ``fn(*args)`` as this node's compute: the node is busy for its duration, and what ``fn``
-        changes becomes visible when that interval ends.
+        changes becomes visible when that interval ends. A learner of several ranks
+        (:mod:`lightning_dist.sim.machines`) adds its gradient all-reduce to a training step's duration.
 
         Use as ``result = yield from node.execute(fn, ...)``. With a modelled duration
         (:meth:`SpeedModel.modelled`) the node waits first and runs ``fn`` at the end of its
@@ -196,14 +198,16 @@ class Node:
         at the start, and a reader that must not see its effect before the interval ends reads a
         copy taken before the call (the simulation does so for training steps).
         """
-        speed = self.simulator.speed
+        speed, machines = self.simulator.speed, self.simulator.machines
+        if kind == "step" and machines.step_bytes:
+            self.simulator.network.count_level("intra_node", machines.step_bytes)
         if speed.modelled(kind):
-            seconds = speed.duration(self.index, kind, 0.0)
+            seconds = machines.step_seconds(speed, self.index, kind, 0.0)
             yield self.simulator.env.timeout(seconds)
             result, measured = _timed(fn, args)
         else:
             result, measured = _timed(fn, args)
-            seconds = speed.duration(self.index, kind, measured)
+            seconds = machines.step_seconds(speed, self.index, kind, measured)
             yield self.simulator.env.timeout(seconds)
         self.wall_compute_seconds += measured
         self.compute_seconds += seconds
@@ -253,11 +257,17 @@ def _matches(message: Message, source: Optional[int], tag: Hashable) -> bool:
 
 
 class Simulator:
-    """The scheduler: owns virtual time, the nodes and the network (paper 001, Table 3)."""
+    """The scheduler: owns virtual time, the nodes and the network (paper 001, Table 3).
 
-    def __init__(self, network: NetworkModel, speed: Optional[SpeedModel] = None) -> None:
+    ``machines`` says which nodes share a machine and its interface (:mod:`lightning_dist.sim.machines`); by
+    default every node is a machine of its own under ``network``.
+    """
+
+    def __init__(self, network: NetworkModel, speed: Optional[SpeedModel] = None,
+                 machines: Optional[Machines] = None) -> None:
         self.env = simpy.Environment()
         self.network_model = network
+        self.machines = machines if machines is not None else Machines(network)
         self.speed = speed if speed is not None else SpeedModel()
         self.nodes: list[Node] = []
         self._programs: list[tuple[Node, Callable[[Node], Generator]]] = []
@@ -282,8 +292,8 @@ class Simulator:
         self._programs.append((self.nodes[index], program))
 
     def start(self) -> None:
-        self.network = Network(self.env, self.network_model, len(self.nodes))
-        self.collectives = Collectives(self.env, self.network_model, self.network)
+        self.network = Network(self.env, self.machines, len(self.nodes))
+        self.collectives = Collectives(self.env, self.machines, self.network)
         for node, program in self._programs:
             self.spawn(node.index, program)
 

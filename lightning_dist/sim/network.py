@@ -16,6 +16,11 @@ which is what Gloo does between a pair of processes (measured in ``benchmarks/se
 Pending transfers are scanned in the order they were posted and each starts as soon as its
 sender, link and receiver are all free, the scan-and-notify of paper 001's Sender Walker: a busy
 receiver does not hold up the sender's other transfers.
+
+Machines of several ranks (:mod:`lightning_dist.sim.machines`): a port is then a machine's interface
+(under the model above, shared by the machine's ranks) or a rank's port inside its machine (under the
+intra-node model), a link joins two machines or two ranks of one machine, and a transfer takes the model
+of where it goes. A learner of several ranks receives a message once its machine has all-gathered it.
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import simpy
+
+from lightning_dist.comm.stats import LEVELS
+
+if TYPE_CHECKING:
+    from lightning_dist.sim.machines import Machines
 
 BITS_PER_BYTE = 8
 MEGABIT = 1e6
@@ -102,37 +112,49 @@ class Transfer:
     deliver: Callable[[], Any]
     done: simpy.Event
     sequence: int
-    link: tuple[int, int]
+    model: NetworkModel
+    send_port: int
+    receive_port: int
+    link: tuple[str, int, int]
+    delay: float
+    """Seconds from the last byte leaving to the arrival: the latency, and a learner machine's all-gather."""
     started: bool = False
     cancelled: bool = False
 
 
 class Network:
-    """Moves messages between the nodes of one :class:`simpy.Environment` under a :class:`NetworkModel`.
+    """Moves messages between the nodes of one :class:`simpy.Environment` under the ``machines``' models
+    (:class:`~lightning_dist.sim.machines.Machines`: one :class:`NetworkModel`, every node a machine, unless
+    machines hold several ranks).
 
-    Counts every byte and message, per sending node and in total.
+    Counts every byte and message, per sending node and in total, and bytes by level (``bytes_by_level``:
+    ``inter_node`` between machines, ``intra_node`` inside one).
 
-    Waiting transfers are indexed by sender, receiver and link. A transfer can only become ready
+    Waiting transfers are indexed by send port, receive port and link. A transfer can only become ready
     when one of those frees up, so a finished transmission looks only at the transfers waiting for
-    its sender, its receiver or its link, in posting order, and stops looking at each group once its
-    resource is taken again. That is the same choice as scanning every waiting transfer in posting
-    order (paper 001's Sender Walker), without the cost that grows with the square of the nodes.
+    its ports or its link, in posting order, and stops looking at each group once its resource is taken
+    again. That is the same choice as scanning every waiting transfer in posting order (paper 001's
+    Sender Walker), without the cost that grows with the square of the nodes.
     """
 
-    def __init__(self, env: simpy.Environment, model: NetworkModel, num_nodes: int) -> None:
+    def __init__(self, env: simpy.Environment, machines: Machines, num_nodes: int) -> None:
         self.env = env
-        self.model = model
-        lanes = model.lanes
-        self._send_free = [lanes] * num_nodes
-        self._receive_free = [lanes] * num_nodes
-        self._busy_links: set[tuple[int, int]] = set()
-        self._by_source: dict[int, dict[int, Transfer]] = defaultdict(dict)
-        self._by_target: dict[int, dict[int, Transfer]] = defaultdict(dict)
-        self._by_link: dict[tuple[int, int], dict[int, Transfer]] = defaultdict(dict)
+        self.machines = machines
+        # Ports 0 .. M-1: the machines' interfaces; M + node: the node's port inside its machine.
+        self._machine = [machines.machine_of(node) for node in range(num_nodes)]
+        self._intra_port = max(self._machine, default=-1) + 1
+        lanes = [machines.network.lanes] * self._intra_port + [machines.intra.lanes] * num_nodes
+        self._send_free = list(lanes)
+        self._receive_free = list(lanes)
+        self._busy_links: set[tuple[str, int, int]] = set()
+        self._by_send_port: dict[int, dict[int, Transfer]] = defaultdict(dict)
+        self._by_receive_port: dict[int, dict[int, Transfer]] = defaultdict(dict)
+        self._by_link: dict[tuple[str, int, int], dict[int, Transfer]] = defaultdict(dict)
         self._sending: dict[int, dict[int, Transfer]] = defaultdict(dict)  # started, not yet transmitted, by source
         self._sequence = itertools.count()
         self.bytes_sent = [0] * num_nodes
         self.messages_sent = [0] * num_nodes
+        self.bytes_by_level = dict.fromkeys(LEVELS, 0)
 
     @property
     def total_bytes(self) -> int:
@@ -140,25 +162,44 @@ class Network:
 
     def count(self, node: int, nbytes: int, messages: int) -> None:
         """Count bytes and messages that ``node`` sends in a collective (:mod:`lightning_dist.sim.collectives`),
-        whose transfers are timed as a whole rather than posted one by one."""
+        whose transfers are timed as a whole rather than posted one by one (its levels: :meth:`count_level`)."""
         self.bytes_sent[node] += nbytes
         self.messages_sent[node] += messages
+
+    def count_level(self, level: str, nbytes: int) -> None:
+        """Count ``nbytes`` moved at ``level`` (``inter_node`` or ``intra_node``) outside :meth:`post`."""
+        self.bytes_by_level[level] += nbytes
 
     def post(self, source: int, target: int, nbytes: int, deliver: Callable[[], Any]) -> simpy.Event:
         """Queue a transfer; ``deliver`` runs at arrival, when the returned event also fires."""
         if source == target:
             raise ValueError(f"node {source} cannot send a message to itself")
+        machines = self.machines
+        level = machines.level(source, target)
+        model = machines.model(level)
+        gather_seconds, gather_bytes = machines.arrival(target, nbytes)
         self.bytes_sent[source] += nbytes
         self.messages_sent[source] += 1
-        link = (min(source, target), max(source, target)) if self.model.half_duplex_links else (source, target)
-        transfer = Transfer(source, target, nbytes, deliver, self.env.event(), next(self._sequence), link)
+        self.bytes_by_level[level] += nbytes
+        self.bytes_by_level["intra_node"] += gather_bytes
+        send_port, receive_port = self._ports(level, source, target)
+        transfer = Transfer(source, target, nbytes, deliver, self.env.event(), next(self._sequence), model,
+                            send_port, receive_port, machines.link(level, source, target),
+                            model.latency + gather_seconds)
         # Nothing was freed, so no other waiting transfer became ready: only this one can start now.
         if self._ready(transfer):
             self._start(transfer)
         else:
-            for index, key in ((self._by_source, source), (self._by_target, target), (self._by_link, link)):
+            for index, key in ((self._by_send_port, send_port), (self._by_receive_port, receive_port),
+                               (self._by_link, transfer.link)):
                 index[key][transfer.sequence] = transfer
         return transfer.done
+
+    def _ports(self, level: str, source: int, target: int) -> tuple[int, int]:
+        """The send and receive ports of a transfer: the machines' interfaces, or the nodes' ports inside one."""
+        if level == "inter_node":
+            return self._machine[source], self._machine[target]
+        return self._intra_port + source, self._intra_port + target
 
     def drop(self, source: int) -> None:
         """Node ``source`` stops sending (it left, :mod:`lightning_dist.sim.churn`): its transfers are cancelled.
@@ -168,48 +209,51 @@ class Network:
         were on the wire). Their ``done`` events never fire. Transfers to ``source`` go on and are lost
         on arrival (:meth:`Node.deliver`), as a sender only learns that its peer is gone by trying.
         """
-        for transfer in list(self._by_source[source].values()):
-            self.bytes_sent[source] -= transfer.nbytes
-            self.messages_sent[source] -= 1
-            transfer.cancelled = transfer.started = True  # started: the wake-up scans skip it
-            self._by_target[transfer.target].pop(transfer.sequence, None)
-            self._by_link[transfer.link].pop(transfer.sequence, None)
-        self._by_source[source].clear()
+        for port in (self._machine[source], self._intra_port + source):
+            for transfer in [queued for queued in self._by_send_port[port].values() if queued.source == source]:
+                self.bytes_sent[source] -= transfer.nbytes
+                self.messages_sent[source] -= 1
+                self.bytes_by_level[self.machines.level(source, transfer.target)] -= transfer.nbytes
+                self.bytes_by_level["intra_node"] -= self.machines.arrival(transfer.target, transfer.nbytes)[1]
+                transfer.cancelled = transfer.started = True  # started: the wake-up scans skip it
+                del self._by_send_port[port][transfer.sequence]
+                self._by_receive_port[transfer.receive_port].pop(transfer.sequence, None)
+                self._by_link[transfer.link].pop(transfer.sequence, None)
         for transfer in list(self._sending[source].values()):
             transfer.cancelled = True
             self._release(transfer)
 
-    def _send_room(self, node: int) -> bool:
-        free = self._send_free[node]
+    def _send_room(self, port: int) -> bool:
+        free = self._send_free[port]
         return free is None or free > 0
 
-    def _receive_room(self, node: int) -> bool:
-        free = self._receive_free[node]
+    def _receive_room(self, port: int) -> bool:
+        free = self._receive_free[port]
         return free is None or free > 0
 
     def _ready(self, transfer: Transfer) -> bool:
         return (
-            self._send_room(transfer.source)
-            and self._receive_room(transfer.target)
+            self._send_room(transfer.send_port)
+            and self._receive_room(transfer.receive_port)
             and transfer.link not in self._busy_links
         )
 
     def _start(self, transfer: Transfer) -> None:
         transfer.started = True
-        self._by_source[transfer.source].pop(transfer.sequence, None)
-        self._by_target[transfer.target].pop(transfer.sequence, None)
+        self._by_send_port[transfer.send_port].pop(transfer.sequence, None)
+        self._by_receive_port[transfer.receive_port].pop(transfer.sequence, None)
         self._by_link[transfer.link].pop(transfer.sequence, None)
         self._occupy(transfer, -1)
         self._sending[transfer.source][transfer.sequence] = transfer
-        self.env.timeout(self.model.transmission_seconds(transfer.nbytes)).callbacks.append(
+        self.env.timeout(transfer.model.transmission_seconds(transfer.nbytes)).callbacks.append(
             lambda _event: self._transmitted(transfer)
         )
 
     def _occupy(self, transfer: Transfer, change: int) -> None:
-        if self._send_free[transfer.source] is not None:
-            self._send_free[transfer.source] += change
-        if self._receive_free[transfer.target] is not None:
-            self._receive_free[transfer.target] += change
+        if self._send_free[transfer.send_port] is not None:
+            self._send_free[transfer.send_port] += change
+        if self._receive_free[transfer.receive_port] is not None:
+            self._receive_free[transfer.receive_port] += change
         if change < 0:
             self._busy_links.add(transfer.link)
         else:
@@ -219,7 +263,7 @@ class Network:
         if transfer.cancelled:  # dropped in transmission; its resources were freed then
             return
         self._release(transfer)
-        self.env.timeout(self.model.latency).callbacks.append(lambda _event: self._arrive(transfer))
+        self.env.timeout(transfer.delay).callbacks.append(lambda _event: self._arrive(transfer))
 
     def _release(self, transfer: Transfer) -> None:
         """The transfer's last byte left (or it was cancelled): free its ports and link, start what waits for them."""
@@ -228,10 +272,11 @@ class Network:
         self._wake(transfer)
 
     def _wake(self, finished: Transfer) -> None:
-        """Start, in posting order, the waiting transfers that the freed sender, receiver and link allow."""
+        """Start, in posting order, the waiting transfers that the freed ports and link allow."""
         groups = [
-            (lambda: self._send_room(finished.source), list(self._by_source[finished.source].values())),
-            (lambda: self._receive_room(finished.target), list(self._by_target[finished.target].values())),
+            (lambda: self._send_room(finished.send_port), list(self._by_send_port[finished.send_port].values())),
+            (lambda: self._receive_room(finished.receive_port),
+             list(self._by_receive_port[finished.receive_port].values())),
             (lambda: finished.link not in self._busy_links, list(self._by_link[finished.link].values())),
         ]
         positions = [0] * len(groups)

@@ -4,6 +4,10 @@ Every virtual worker owns a deep copy of one LightningModule (its own parameters
 its ``configure_optimizers`` returns) and a train loader from the shared datamodule for its rank,
 so the simulator trains exactly what ``Trainer.fit`` would. Protocols see a replica as the flat
 vector of :class:`~lightning_dist.model_vector.ModelVector`, the same unit the strategies exchange.
+
+With one learner per machine (``hierarchy="node"``, :mod:`lightning_dist.sim.machines`) a learner is a
+:class:`NodeReplica`: the ``L`` ranks of a machine in DDP over the machine, as one model and optimizer that
+takes each step on the mean of the ranks' gradients.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import lightning as L
@@ -98,6 +102,29 @@ class _LogRecorder:
         return results
 
 
+class _Batches:
+    """A train loader read epoch after epoch, for ever."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.epoch = 0
+        self._batches: Optional[Iterator] = None
+
+    def next(self, epoch_ended: Callable[[int], None] = lambda epoch: None) -> Any:
+        """The next batch; a new epoch (``set_epoch``, a fresh iterator, ``epoch_ended(epochs done)``) when one ends."""
+        while True:
+            if self._batches is None:
+                if hasattr(self.loader.sampler, "set_epoch"):
+                    self.loader.sampler.set_epoch(self.epoch)
+                self._batches = iter(self.loader)
+            try:
+                return next(self._batches)
+            except StopIteration:
+                self._batches = None
+                self.epoch += 1
+                epoch_ended(self.epoch)
+
+
 class Replica:
     """One worker's model, optimizer and stream of training batches (epochs continue forever)."""
 
@@ -113,28 +140,22 @@ class Replica:
         self._trainable = [parameter for parameter in self.vector.parameters if parameter.requires_grad]
         self._trainable_sizes = [parameter.numel() for parameter in self._trainable]
         self.loader = loader
-        self.epoch = 0
+        self._batches = _Batches(loader)
         self.steps = 0
-        self._batches: Optional[Iterator] = None
 
     @property
     def part_size(self) -> Optional[int]:
         """``|D_j|``, the examples in this worker's part of the data (:func:`~lightning_dist.data.sampler.part_size`)."""
         return part_size(self.loader)
 
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradients DDP all-reduces: the trainable parameters', in their dtype."""
+        return sum(parameter.numel() * parameter.element_size() for parameter in self._trainable)
+
     def next_batch(self) -> Any:
         """The next training batch; a new epoch (``set_epoch``, a fresh iterator) when one ends."""
-        while True:
-            if self._batches is None:
-                if hasattr(self.loader.sampler, "set_epoch"):
-                    self.loader.sampler.set_epoch(self.epoch)
-                self._batches = iter(self.loader)
-            try:
-                return next(self._batches)
-            except StopIteration:
-                self._batches = None
-                self.epoch += 1
-                self._step_schedulers("epoch", self.epoch)
+        return self._batches.next(lambda epoch: self._step_schedulers("epoch", epoch))
 
     def step(self, batch: Any) -> float:
         """One optimizer step on ``batch``; returns the training loss."""
@@ -146,10 +167,14 @@ class Replica:
         """The first half of :meth:`step`: forward and backward on ``batch`` into the parameters' ``.grad``;
         returns the training loss."""
         self.optimizer.zero_grad(set_to_none=True)
-        output = self.module.training_step(batch, self.steps)
-        loss = output["loss"] if isinstance(output, dict) else output
+        loss = self._loss(batch)
         loss.backward()
         return float(loss.detach())
+
+    def _loss(self, batch: Any) -> Tensor:
+        """The training loss of ``batch`` (the module's ``training_step``), with its graph."""
+        output = self.module.training_step(batch, self.steps)
+        return output["loss"] if isinstance(output, dict) else output
 
     def apply_gradient(self, gradient: Optional[Tensor] = None) -> None:
         """The second half of :meth:`step`: the optimizer's step with the gradient in ``.grad``, or with
@@ -186,6 +211,60 @@ class Replica:
 
     def set(self, vector: Tensor) -> None:
         self.vector.set(vector)
+
+
+class NodeReplica(Replica):
+    """The learner of one machine under ``hierarchy="node"``: its ``L`` ranks' DDP as one replica.
+
+    What DDP over the machine does (:mod:`lightning_dist.strategies._hierarchy`): every rank computes the
+    gradient of its own batch, the gradients are all-reduced (mean), every rank applies the mean with its own
+    optimizer, so the ranks stay identical; DDP broadcasts local rank 0's buffers (BatchNorm's running
+    statistics) before each forward. Here one model holds them all: :meth:`next_batch` gives one batch per
+    local rank (rank ``j``'s loader: ``loaders[j]``; epochs and the epoch schedulers follow local rank 0's),
+    and a step runs forward and backward of each with the loss divided by ``L``, summed into ``.grad`` (the
+    mean of the ranks' gradients, up to rounding), then one optimizer step. Every forward starts from the
+    buffers the step started from, and the step ends with those local rank 0's forward left. The training loss
+    is the mean of the ranks' losses.
+    """
+
+    def __init__(self, template: L.LightningModule, loaders: Sequence[DataLoader]) -> None:
+        super().__init__(template, loaders[0])
+        self.loaders = list(loaders)
+        self._others = [_Batches(loader) for loader in loaders[1:]]
+
+    @property
+    def part_size(self) -> Optional[int]:
+        """``|D_j|`` of the machine: its ranks' parts summed (None if one is unknown)."""
+        sizes = [part_size(loader) for loader in self.loaders]
+        return None if None in sizes else sum(sizes)
+
+    def next_batch(self) -> list[Any]:
+        """The next batch of every local rank, in local-rank order."""
+        return [super().next_batch()] + [batches.next() for batches in self._others]
+
+    def compute_gradient(self, batch: list[Any]) -> float:
+        """Forward and backward of every local rank's batch, the mean of their gradients into ``.grad``; returns
+        the mean of their losses."""
+        self.optimizer.zero_grad(set_to_none=True)
+        buffers = list(self.module.buffers())
+        start = [buffer.detach().clone() for buffer in buffers]
+        losses, first = [], start
+        for index, ranks_batch in enumerate(batch):
+            if index:
+                _copy(buffers, start)  # DDP's broadcast before the forward: every rank's buffers are the node's
+            loss = self._loss(ranks_batch)
+            if index == 0:
+                first = [buffer.detach().clone() for buffer in buffers]
+            (loss / len(batch)).backward()
+            losses.append(float(loss.detach()))
+        _copy(buffers, first)
+        return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def _copy(buffers: list[Tensor], values: list[Tensor]) -> None:
+    for buffer, value in zip(buffers, values):
+        buffer.copy_(value)
 
 
 class Evaluator:

@@ -9,6 +9,12 @@ a virtual instant, without the steps still running then, and costs no virtual ti
 With a :class:`~lightning_dist.sim.churn.Churn` schedule workers leave and join during the run
 (what that means: :mod:`lightning_dist.sim.churn`); averages and the global model are then over the
 workers present.
+
+Machines of several ranks (``ranks_per_node``, ``intra_node``, ``hierarchy``; :mod:`lightning_dist.sim.machines`):
+``workers`` counts the ranks, ``L`` to a machine that shares one network interface. Flat, every rank is a
+worker node as above; with ``hierarchy="node"`` a machine's ``L`` ranks are one learner
+(:class:`~lightning_dist.sim.replica.NodeReplica`), the workers the protocol sees are the ``workers // L``
+machines, and ``num_workers`` counts them (``num_ranks`` the ranks).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import lightning as L
@@ -32,10 +38,11 @@ from lightning_dist.algorithms.arguments import check_count
 from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
+from lightning_dist.sim.machines import Machines, check_machines
 from lightning_dist.sim.network import NetworkModel
 from lightning_dist.sim.numerics import intra_op_threads, numerics
 from lightning_dist.sim.protocols.base import Program, Protocol
-from lightning_dist.sim.replica import Evaluator, Replica
+from lightning_dist.sim.replica import Evaluator, NodeReplica, Replica
 
 
 def worker_loader(datamodule: L.LightningDataModule, num_workers: int, rank: int, seed: int) -> DataLoader:
@@ -74,9 +81,11 @@ class Simulation:
             and ``configure_optimizers`` are used as a Trainer would use them).
         datamodule: gives each worker its train loader and the validation batches.
         protocol: a :class:`~lightning_dist.sim.protocols.Protocol`.
-        workers: number of virtual workers, ``>= 1``.
-        max_steps: optimizer steps per worker, ``>= 1``.
-        network: the :class:`~lightning_dist.sim.network.NetworkModel`; default: no latency, no caps.
+        workers: number of virtual workers (ranks, e.g. GPUs, in all), ``>= 1``; a multiple of ``ranks_per_node``.
+        max_steps: optimizer steps per worker (per learner under a hierarchy), ``>= 1``.
+        network: the :class:`~lightning_dist.sim.network.NetworkModel`; default: no latency, no caps. With
+            ``ranks_per_node > 1`` the model of each machine's interface to the other machines, which the
+            machine's ranks share.
         speed: the :class:`~lightning_dist.sim.engine.SpeedModel`; default: measured durations.
         max_virtual_seconds: stop at this virtual time even if steps are left; None: no limit.
         eval_every: evaluate the global model each time the workers have taken this many more
@@ -86,13 +95,19 @@ class Simulation:
             virtual instant) once it returns True, e.g. a few evaluations after a target accuracy.
         seed: seeds torch before the run (dropout, and anything else drawn from torch's default generator).
         churn: workers leaving and joining (:class:`~lightning_dist.sim.churn.Churn`); None: all stay. Needs a
-            modelled ``speed.step_seconds`` and, for the averaging protocols and the parameter server,
-            ``topology="server"``.
+            modelled ``speed.step_seconds``, ``ranks_per_node=1`` (a machine's shared interface and learners of
+            several ranks are not simulated with churn) and, for the averaging protocols and the parameter
+            server, ``topology="server"``.
         threads: torch's intra-op threads while the run trains and evaluates, restored after it. The figures
             differ in their last bits with the thread count and training amplifies that, so it is fixed; None
             keeps the caller's (faster for a large model on many cores, but the figures then depend on the
             machine's core count). The kernels torch picks for the CPU matter too:
             :func:`~lightning_dist.sim.numerics.pin_cpu_kernels`.
+        ranks_per_node: ranks per machine, ``L >= 1``; rank ``r`` sits on machine ``r // L``.
+        intra_node: the link between two ranks of one machine (a ``NetworkModel``); default no cap, no latency.
+            Used only when ``ranks_per_node > 1``.
+        hierarchy: None (every rank a worker) or ``"node"``: one learner per machine, DDP inside it, the protocol
+            between machines, as the strategies' ``hierarchy="node"``. ``speed.slowdown`` then names learners.
     """
 
     def __init__(
@@ -111,8 +126,19 @@ class Simulation:
         seed: int = 0,
         churn: Optional[Churn] = None,
         threads: Optional[int] = 1,
+        ranks_per_node: int = 1,
+        intra_node: Optional[NetworkModel] = None,
+        hierarchy: Optional[str] = None,
     ) -> None:
-        self.num_workers = check_count("workers", workers, 1)
+        self.num_ranks = check_count("workers", workers, 1)
+        self.ranks_per_node, self.hierarchy = check_machines(self.num_ranks, ranks_per_node, hierarchy)
+        if intra_node is not None and not isinstance(intra_node, NetworkModel):
+            raise TypeError(
+                f"intra_node must be a lightning_dist.sim.NetworkModel or None; got {type(intra_node).__name__}"
+            )
+        self.intra_node = intra_node if intra_node is not None else NetworkModel()
+        self.num_workers = self.num_ranks // self.ranks_per_node if self.hierarchy else self.num_ranks
+        """The workers the protocol sees: every rank, or one learner per machine under a hierarchy."""
         self.max_steps = check_count("max_steps", max_steps, 1)
         self.eval_every = check_count("eval_every", eval_every, 1)
         self.threads = None if threads is None else check_count("threads", threads, 1)
@@ -130,6 +156,11 @@ class Simulation:
                 raise TypeError(f"churn must be a lightning_dist.sim.Churn or None; got {type(churn).__name__}")
             churn.check(self.num_workers)
             protocol.check_churn()
+            if self.ranks_per_node > 1:
+                raise ValueError(
+                    "churn needs ranks_per_node=1: workers sharing a machine's interface or learners of several ranks "
+                    f"are not simulated leaving and joining; got ranks_per_node={self.ranks_per_node}"
+                )
             if speed is None or not speed.modelled("step"):
                 raise ValueError(
                     "churn needs a modelled speed.step_seconds (a finite number of seconds >= 0): a measured step runs "
@@ -187,10 +218,7 @@ class Simulation:
         wall_start = time.perf_counter()
         torch.manual_seed(self.seed)
         self.datamodule.setup("fit")
-        self.replicas = [
-            Replica(self.model, worker_loader(self.datamodule, self.num_workers, rank, self.seed))
-            for rank in range(self.num_workers)
-        ]
+        self.replicas = [self._replica(worker) for worker in range(self.num_workers)]
         self.dataset_sizes = self._dataset_sizes()
         self._in_flight: list[Optional[Tensor]] = [None] * self.num_workers
         self.present = [True] * self.num_workers
@@ -201,7 +229,9 @@ class Simulation:
         self._finished = [False] * self.num_workers
         self.evaluator = Evaluator(self.model, self.datamodule.val_dataloader())
         self.protocol.setup(self)
-        self.simulator = Simulator(self.network_model, self.speed)
+        self.machines = Machines(self.network_model, self.intra_node, self.ranks_per_node, self.num_ranks,
+                                 self.hierarchy, self.replicas[0].gradient_bytes)
+        self.simulator = Simulator(self.network_model, self.speed, self.machines)
         for rank in range(self.num_workers):
             self.simulator.add_node(f"worker{rank}", self._worker_program)
         if self.protocol.num_servers:
@@ -225,6 +255,15 @@ class Simulation:
             self._evaluate()
         self.result.summary = self._summary(virtual_seconds, time.perf_counter() - wall_start)
         return self.result
+
+    def _replica(self, worker: int) -> Replica:
+        """Worker ``worker``'s replica: rank ``worker``'s, or under a hierarchy the learner of machine ``worker``
+        with the loaders of its ranks ``worker * L + j``."""
+        if self.hierarchy is None:
+            return Replica(self.model, worker_loader(self.datamodule, self.num_ranks, worker, self.seed))
+        ranks = range(worker * self.ranks_per_node, (worker + 1) * self.ranks_per_node)
+        loaders = [worker_loader(self.datamodule, self.num_ranks, rank, self.seed) for rank in ranks]
+        return NodeReplica(self.model, loaders)
 
     def _dataset_sizes(self) -> Tensor:
         """Every worker's ``|D_j|`` (its true part size); all equal, with a warning, if any is unknown."""
@@ -319,6 +358,8 @@ class Simulation:
             "bytes": network.total_bytes,
             "messages": sum(network.messages_sent),
         }
+        if self.ranks_per_node > 1:
+            row.update({f"bytes_{level}": nbytes for level, nbytes in network.bytes_by_level.items()})
         recent = [loss for losses in self._losses for loss in losses]
         if recent:
             row["train_loss"] = sum(recent) / len(recent)
@@ -354,14 +395,11 @@ class Simulation:
         final = self.result.rows[-1]
         return {
             "protocol": self.protocol.config(),
-            "workers": self.num_workers,
+            "workers": self.num_ranks,
+            "num_learners": self.num_workers,
+            **self.machines.config(),
             "max_steps": self.max_steps,
-            "network": {
-                "latency": self.network_model.latency,
-                "node_mbit": self.network_model.node_mbit,
-                "link_mbit": self.network_model.link_mbit,
-                "half_duplex_links": self.network_model.half_duplex_links,
-            },
+            "network": asdict(self.network_model),
             "speed": {
                 "step_seconds": self.speed.step_seconds,
                 "aggregate_seconds": self.speed.aggregate_seconds,
@@ -384,7 +422,9 @@ class Simulation:
             "bytes": network.total_bytes,
             "messages": sum(network.messages_sent),
             "bytes_by_node": list(network.bytes_sent),
-            "final": {key: value for key, value in final.items() if key not in ("time", "steps", "bytes", "messages")},
+            "bytes_by_level": dict(network.bytes_by_level),
+            "final": {key: value for key, value in final.items()
+                      if key not in ("time", "steps", "bytes", "messages") and not key.startswith("bytes_")},
             "protocol_metrics": self.protocol.metrics(),
             # Virtual seconds workers spent waiting for the protocol (transfers, barriers), per worker.
             "wait_seconds_per_worker": sum(wait["seconds"] for wait in self.result.waits) / self.num_workers,
