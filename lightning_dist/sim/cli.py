@@ -12,6 +12,14 @@ Workers leaving and joining (:class:`~lightning_dist.sim.churn.Churn`) are a ``c
     churn: {absences: {3: [[2.0, 5.0]], 9: [[1.5, null]]}}                 # explicit virtual times
 
 (``--churn '{"fraction": 0.3, "leave_rate": 0.05, "mean_absence": 10}'`` on the command line).
+
+Machines of several ranks (:mod:`lightning_dist.sim.machines`): ``ranks_per_node`` (``workers`` counts the
+ranks), ``intra_node`` (a mapping like ``network``: the link between two ranks of one machine) and
+``hierarchy`` (``node``: one learner per machine)::
+
+    ranks_per_node: 8
+    intra_node: {latency: 0.00001, node_mbit: 100000}
+    hierarchy: node
 """
 
 from __future__ import annotations
@@ -55,7 +63,11 @@ def build_parser() -> ArgumentParser:
         "{absences: {worker: [[leave, join], ...]}} (virtual seconds; join null: never back)",
     )
     parser.add_argument("--out", type=str, default="sim_out")
+    parser.add_argument("--ranks_per_node", type=int, default=1, help="ranks per machine; workers is a multiple")
+    parser.add_argument("--hierarchy", type=Optional[str], default=None,
+                        help="None (every rank a learner) or node (one learner per machine, DDP inside it)")
     parser.add_class_arguments(NetworkModel, "network")
+    parser.add_class_arguments(NetworkModel, "intra_node")
     parser.add_class_arguments(SpeedModel, "speed")
     for name in ("num_features", "num_classes"):
         parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
@@ -103,11 +115,15 @@ def main(args: Optional[list[str]] = None) -> dict[str, Any]:
         evaluate_workers=config.evaluate_workers,
         seed=config.seed,
         churn=churn,
+        ranks_per_node=config.ranks_per_node,
+        intra_node=objects.intra_node,
+        hierarchy=config.hierarchy,
     )
     result = simulation.run()
     paths = write_report(result, config.out)
     summary = result.summary
-    print(json.dumps({key: summary[key] for key in ("protocol", "workers", "virtual_seconds", "bytes", "final",
+    print(json.dumps({key: summary[key] for key in ("protocol", "workers", "num_learners", "virtual_seconds", "bytes",
+                                                    "bytes_by_level", "final",
                                                     "wall_seconds", "overhead_ratio")}, indent=1))
     print(f"wrote {', '.join(str(path) for path in paths.values())}")
     return summary

@@ -2,10 +2,13 @@
 a machine's ranks share its interface, the ranks of one machine talk over their own intra-node link, a learner
 machine all-gathers what reaches it."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
+from lightning_dist.cli import main
 from lightning_dist.sim import Churn, NetworkModel, PeriodicAveraging, Simulator
 from lightning_dist.sim.collectives import ring_all_gather_seconds
 from lightning_dist.sim.machines import Machines
@@ -144,3 +147,15 @@ def test_churn_is_refused_with_several_ranks_per_machine():
     with pytest.raises(ValueError, match="churn needs ranks_per_node=1"):
         simulation(PeriodicAveraging(), workers=4, max_steps=4, ranks_per_node=2,
                    churn=Churn(absences={1: [(0.01, None)]}))
+
+
+def test_simulate_takes_machines_from_the_config(tmp_path):
+    config = Path(__file__).resolve().parents[2] / "configs/sim/periodic.yaml"
+    small = ["--workers", "4", "--max_steps", "4", "--eval_every", "2", "--model.init_args.hidden_size", "16"]
+    main(["simulate", "--config", str(config), *small, "--ranks_per_node", "2", "--hierarchy", "node",
+          "--intra_node", '{"latency": 0.00001, "node_mbit": 1000}', "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["workers"], summary["num_learners"], summary["ranks_per_node"]) == (4, 2, 2)
+    assert summary["intra_node"]["node_mbit"] == 1000 and summary["bytes_by_level"]["intra_node"] > 0
+    with pytest.raises(ValueError, match="workers must be a multiple of ranks_per_node"):
+        main(["simulate", "--config", str(config), *small, "--ranks_per_node", "3", "--out", str(tmp_path / "bad")])
