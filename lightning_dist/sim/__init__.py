@@ -14,7 +14,9 @@ the strategy moves, and the ``ddp`` protocol is Lightning's DDP (a gradient all-
 
 or ``lightning-dist simulate --config configs/sim/segmented_gossip.yaml``. Workers that leave and join:
 ``Simulation(..., churn=Churn(fraction=0.3, leave_rate=0.05, mean_absence=10.0, seed=1))``
-(:mod:`lightning_dist.sim.churn`).
+(:mod:`lightning_dist.sim.churn`). Machines of several GPUs: ``Simulation(..., workers=256, ranks_per_node=8,
+intra_node=NetworkModel(...), hierarchy="node")`` (32 machines sharing one interface each; ``hierarchy="node"``:
+one learner per machine, DDP inside it, as the strategies' hierarchy; :mod:`lightning_dist.sim.machines`).
 """
 
 from lightning_dist.sim.churn import Churn
