@@ -20,9 +20,9 @@ each sending to the previous member, one chunk on every ring edge per step, and 
 slowest port: a machine whose members have ``k`` edges leaving the machine sends ``k`` chunks through its one
 interface (``k = 1`` when the members are numbered machine by machine), the edges inside machines go in
 parallel at the intra rate. So a step is the largest of ``k_m * chunk / rate + latency`` over machines and,
-if an edge stays inside a machine, ``chunk / intra rate + intra latency`` (more rounds where a port's lanes or
-a link are short, as :func:`ring_rounds` counts; Gloo's two-member half-duplex rule is the case of a link
-that carries both edges).
+if an edge stays inside a machine, ``chunk / intra rate + intra latency``. With a link cap a port carries
+``floor(node / link)`` chunks at once and a link one (:func:`ring_rounds`); Gloo's two-member half-duplex
+rule is the case of a link that carries both edges of a step.
 
 **One learner per machine** (``hierarchy="node"``, what :mod:`lightning_dist.strategies._hierarchy` runs):
 
@@ -30,9 +30,10 @@ that carries both edges).
   :class:`~lightning_dist.sim.replica.NodeReplica`: its ranks' batches, the mean of their gradients, one
   optimizer step, local rank 0's buffers. A training step costs one rank's compute (the ranks compute in
   parallel: a modelled ``step_seconds`` as it is; a measured step ran the ``L`` ranks' forward and backward
-  one after the other here, so its duration is divided by ``L``) plus the ring all-reduce of the gradients
-  inside the machine, ``ring_all_reduce_seconds(intra_node, L, gradient bytes)``, after the whole backward:
-  DDP overlaps its buckets with the backward, so this is an upper bound, as for the ``ddp`` protocol.
+  one after the other here, so its duration, the one optimizer update included, is divided by ``L``) plus the
+  ring all-reduce of the gradients inside the machine, ``ring_all_reduce_seconds(intra_node, L, gradient
+  bytes)``, after the whole backward: DDP overlaps its buckets with the backward, so this is an upper bound,
+  as for the ``ddp`` protocol.
 - The protocol runs on one simulator node per learner, whose ports are the machine's interface. Local rank
   ``j`` carries chunk ``j`` of every exchange through that one interface, all ``L`` at once; together they take
   what one transfer of the whole takes, and a ring of ``N`` learners moves ``L`` slice rings of ``1/L`` of the
@@ -44,8 +45,8 @@ that carries both edges).
 Bytes by level (:data:`lightning_dist.comm.stats.LEVELS`): ``inter_node`` crossed between machines,
 ``intra_node`` stayed inside one (``Network.bytes_by_level``). Flat: a ring's bytes split by its edges, a
 transfer by where it went; ``bytes_sent`` per rank counts both. Hierarchy: ``bytes_sent`` per learner is what
-its machine sent to others; inside, as the strategies' Communicator counts a ring, ``2 (L - 1)`` gradient
-bytes per machine and step and ``(L - 1) L ceil(nbytes / L)`` per machine and all-gather.
+its machine sent to others; inside, as the strategies' Communicator counts a ring, ``2 (L - 1)`` times the
+gradient bytes per machine and step and ``(L - 1) L ceil(nbytes / L)`` per machine and all-gather.
 
 Not modelled: a topology inside the machine (NVLink or NVSwitch is a plain capped link between every pair
 of ranks; no PCIe switches, NUMA or GPUDirect); in a hierarchy the machine's own traffic (the gradient
