@@ -21,13 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.launch import run_ranks
+from helpers.launch import run_nodes, run_ranks
 from helpers.user_models import NUM_TRAIN, DigitsCNN, evaluate, predict
 
 # column -> processes (FedAvg and segmented gossip need 3 to differ from plain averaging)
 COLUMNS = {"dynamic_avg": 2, "periodic_avg": 2, "fedavg": 3, "downpour_sgd": 2, "segmented_gossip": 3,
-           "datagossip": 2, "cdgrab": 2}
+           "datagossip": 2, "cdgrab": 2, "periodic_node": 4, "datagossip_node": 4, "cdgrab_node": 4}
 LOCAL_UPDATE = ["dynamic_avg", "periodic_avg", "fedavg", "downpour_sgd", "segmented_gossip", "datagossip"]
+# One learner per node (hierarchy="node"), launched as 2 nodes x 2 ranks: periodic averaging, and the callbacks on it.
+NODE_COLUMNS = ["periodic_node", "datagossip_node", "cdgrab_node"]
+NODES = 2
 
 WORKS = "works"
 UNEQUAL = r"ValueError: \w+Strategy needs the same number of training batches per epoch on every rank .*unequal batches per rank \(rank 0: 10, rank 1: 6"
@@ -42,22 +45,25 @@ DATAGOSSIP_NO_LOSSES = r"ValueError: DataGossip ranks training records by their 
 
 
 def _row(default: str, **columns: str) -> dict[str, str]:
-    return {column: columns.get(column, default) for column in COLUMNS}
+    """A row over the one-node columns, and over the node columns named in ``columns``."""
+    return {column: columns.get(column, default) for column in COLUMNS if column not in NODE_COLUMNS or column in columns}
 
 
 # feature (cell) -> column -> WORKS or the refusal (a regex of the error every rank raises)
 MATRIX: dict[str, dict[str, str]] = {
-    "accumulate_grad_batches": _row(WORKS),
-    "gradient_clip_val": _row(WORKS),
-    "bf16_mixed": _row(WORKS),
-    "manual_optimization": _row(WORKS, datagossip=DATAGOSSIP_NO_LOSSES),  # two_optimizers: manual, losses returned
-    "two_optimizers": _row(WORKS),
-    "checkpoint_best": _row(WORKS),
-    "evaluate_after_fit": _row(WORKS),
+    "accumulate_grad_batches": _row(WORKS, periodic_node=WORKS),
+    "gradient_clip_val": _row(WORKS, periodic_node=WORKS, cdgrab_node=WORKS),
+    "bf16_mixed": _row(WORKS, periodic_node=WORKS, datagossip_node=WORKS),
+    "manual_optimization": _row(WORKS, datagossip=DATAGOSSIP_NO_LOSSES,  # two_optimizers: manual, losses returned
+                                periodic_node=WORKS),
+    "two_optimizers": _row(WORKS, periodic_node=WORKS),
+    "checkpoint_best": _row(WORKS, periodic_node=WORKS),
+    "evaluate_after_fit": _row(WORKS, periodic_node=WORKS, datagossip_node=WORKS, cdgrab_node=WORKS),
     "val_check_interval": _row(WORKS),
     "val_check_interval_time": _row(TIME_BASED),
-    "max_steps": _row(WORKS),
-    "outer_optimizer": {"dynamic_avg": WORKS, "periodic_avg": WORKS, "fedavg": FEDAVG_OUTER},  # DiLoCo's outer step
+    "max_steps": _row(WORKS, periodic_node=WORKS),
+    "outer_optimizer": {"dynamic_avg": WORKS, "periodic_avg": WORKS, "fedavg": FEDAVG_OUTER,  # DiLoCo's outer step
+                        "periodic_node": WORKS},
     "progress_bar": {column: WORKS for column in LOCAL_UPDATE},  # the strategies' comm_MB and syncs
     "progress_bar_off": {column: WORKS for column in LOCAL_UPDATE},
     "limit_train_batches": _row(WORKS, cdgrab=CDGRAB_PARTIAL),
@@ -83,8 +89,11 @@ def launches(tmp_path_factory) -> Callable[[str, str], list[dict]]:
     def records(column: str, cell: str) -> list[dict]:
         if column not in done:
             out = tmp_path_factory.mktemp(column)
-            run_ranks(COLUMNS[column], "matrix", {"column": column, "cells": _cells(column)}, out, timeout=400,
-                      check=False)
+            spec = {"column": column, "cells": _cells(column)}
+            if column in NODE_COLUMNS:
+                run_nodes(NODES, COLUMNS[column] // NODES, "matrix", spec, out, timeout=400, check=False)
+            else:
+                run_ranks(COLUMNS[column], "matrix", spec, out, timeout=400, check=False)
             done[column] = out
         paths = [done[column] / cell / f"rank{rank}.pt" for rank in range(COLUMNS[column])]
         missing = [str(path) for path in paths if not path.exists()]
@@ -102,7 +111,7 @@ def _close(a: float, b: float, precision: str = "32") -> bool:
 
 
 def _model(state: dict, column: str) -> DigitsCNN:
-    model = DigitsCNN(norm="group" if column == "cdgrab" else "batch")
+    model = DigitsCNN(norm="group" if column.startswith("cdgrab") else "batch")
     model.load_state_dict(state)
     return model
 
@@ -118,13 +127,15 @@ def _check_common(records: list[dict], column: str, precision: str = "32") -> No
             assert torch.equal(value, record["state"][name]), f"ranks differ in {name}"
         assert record["global_step"] == first["global_step"]
     assert all(bool(torch.isfinite(value.float()).all()) for value in first["state"].values())
-    if column in LOCAL_UPDATE:
+    if column in LOCAL_UPDATE or column in NODE_COLUMNS:
         assert first["syncs"] > 0, "the protocol never ran"
         assert all(record["local_steps"] == record["global_step"] for record in records)
-    if column == "datagossip" and len(first["batches_per_epoch"]) >= 2:
+    if column in NODE_COLUMNS:  # the protocol ran between the nodes, DDP's gradients inside them
+        assert first["comm"].bytes_by_level["inter_node"] > 0 and first["comm"].bytes_by_purpose["gradients"] > 0
+    if column.startswith("datagossip") and len(first["batches_per_epoch"]) >= 2:
         assert all(record["callback"]["gossip/exchanges"] >= 1 for record in records)
         assert all(record["callback"]["gossip/foreign_batches"] > 0 for record in records)
-    if column == "cdgrab":
+    if column.startswith("cdgrab"):
         assert records[1]["callback"]["cdgrab/bytes_sent"] > 0  # differences went to the order server
     for index, validation in enumerate(first["validations"]):
         for record in records[1:]:
@@ -141,7 +152,7 @@ def _steps_per_batch(records: list[dict]) -> float:
 
 def check_accumulate_grad_batches(records, column):
     _check_common(records, column)
-    assert records[0]["batches_per_epoch"][0] == (6 if column == "cdgrab" else 8)
+    assert records[0]["batches_per_epoch"][0] == (6 if column.startswith("cdgrab") else 8)
     # One optimizer step, and so one protocol step, per 2 batches.
     assert records[0]["global_step"] == _steps_per_batch(records) / 2
 
@@ -222,7 +233,7 @@ def check_outer_optimizer(records, column):
     _check_common(records, column)
     outer = records[0]["protocol"]
     assert outer["outer/steps"] >= 1
-    if column == "periodic_avg":
+    if column in ("periodic_avg", "periodic_node"):
         assert outer["outer/steps"] == records[0]["syncs"] == records[0]["global_step"] // 2
     assert outer["outer/update_norm"] > outer["outer/pseudo_gradient_norm"] > 0
     variances = [value for name, value in records[0]["state"].items() if name.endswith("running_var")]
@@ -307,7 +318,8 @@ def test_progress_bar_leaves_the_loggers_alone(launches, column):
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_COLUMNS = {"`dynamic_avg`": "dynamic_avg", "`periodic_avg`": "periodic_avg", "`fedavg`": "fedavg",
                   "`downpour_sgd`": "downpour_sgd", "`segmented_gossip`": "segmented_gossip",
-                  "`DataGossip`": "datagossip", "`CDGraB`": "cdgrab"}
+                  "`DataGossip`": "datagossip", "`CDGraB`": "cdgrab", "`periodic_avg`, one learner per node": "periodic_node",
+                  "`DataGossip`, one learner per node": "datagossip_node", "`CDGraB`, one learner per node": "cdgrab_node"}
 README_ROWS = {
     "`accumulate_grad_batches=2`": "accumulate_grad_batches", "`gradient_clip_val=1.0`": "gradient_clip_val",
     '`precision="bf16-mixed"`': "bf16_mixed", "manual optimization": "manual_optimization",

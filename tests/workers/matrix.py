@@ -45,6 +45,12 @@ COLUMNS: dict[str, tuple[Any, Any]] = {
     "datagossip": (lambda: lightning_dist.PeriodicAveragingStrategy(period=2),
                    lambda: lightning_dist.DataGossip(records_per_exchange=4, weave_every=2)),
     "cdgrab": (lambda: "ddp", lambda: lightning_dist.CDGraB()),
+    # One learner per node (2 nodes x 2 ranks): DDP inside each node, the protocol or callback on top.
+    "periodic_node": (lambda **kw: lightning_dist.PeriodicAveragingStrategy(period=2, hierarchy="node", **kw), None),
+    "datagossip_node": (lambda: lightning_dist.PeriodicAveragingStrategy(period=2, hierarchy="node"),
+                        lambda: lightning_dist.DataGossip(records_per_exchange=4, weave_every=2)),
+    "cdgrab_node": (lambda: lightning_dist.PeriodicAveragingStrategy(period=2, hierarchy="node"),
+                    lambda: lightning_dist.CDGraB()),
 }
 
 # cell -> strategy kwargs, for the columns whose strategy takes them
@@ -162,13 +168,13 @@ def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
     make_strategy, make_callback = COLUMNS[column]
     trainer_kwargs, module_kwargs, data_kwargs = (dict(part) for part in CELLS[cell])
     strategy_kwargs = STRATEGY_KWARGS.get(cell, {})
-    if column == "datagossip":
+    if column.startswith("datagossip"):
         # Records are exchanged after an epoch and woven into the next: two epochs, so they are.
         # manual_optimization keeps the module's default (training_step returns nothing), which DataGossip refuses.
         module_kwargs["per_example_outputs"] = cell != "manual_optimization"
         if "max_steps" not in trainer_kwargs:
             trainer_kwargs["max_epochs"] = 2
-    if column == "cdgrab":
+    if column.startswith("cdgrab"):
         # CD-GraB reorders whole epochs and refuses partial ones: short epochs instead of a batch limit.
         module_kwargs.setdefault("norm", "group")
         data_kwargs.setdefault("train", "cdgrab")
@@ -198,7 +204,9 @@ def run_cell(column: str, cell: str, out: Path, rank: int) -> dict[str, Any]:
         if trainer_kwargs.get("enable_progress_bar"):
             callbacks.append(BarRecorder())
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=make_strategy(**strategy_kwargs),
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=make_strategy(**strategy_kwargs),
         logger=logger, enable_model_summary=False, enable_checkpointing=checkpoint is not None, callbacks=callbacks,
         num_sanity_val_steps=0, **{"max_epochs": 1, "enable_progress_bar": False, **trainer_kwargs},
     )
