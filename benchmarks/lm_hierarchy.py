@@ -70,12 +70,13 @@ def sweep(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str
 
 
 def level_table(report: dict[str, Any]) -> str:
-    """The strategy's counted MB by level per method (mean over seeds; every purpose: set-up, protocol, final): what
-    crossed between nodes and what stayed inside."""
+    """The strategy's counted MB by level per method under a hierarchy (mean over seeds; every purpose: set-up,
+    protocol, final): what crossed between nodes and what stayed inside. Flat runs count no levels (their bytes
+    between nodes are the summary's wire MB)."""
     lines = ["| method | inter-node MB | intra-node MB (all-gathers and DDP's gradients) |", "|---|---|---|"]
     runs = lm_network.all_runs(report)
     for name in dict.fromkeys(run["name"] for run in runs):
-        group = [run for run in runs if run["name"] == name and "bytes_by_level" in run]
+        group = [run for run in runs if run["name"] == name and any(run.get("bytes_by_level", {}).values())]
         if group:
             inter = sum(run["bytes_by_level"]["inter_node"] for run in group) / len(group) / 1e6
             intra = sum(run["bytes_by_level"]["intra_node"] for run in group) / len(group) / 1e6

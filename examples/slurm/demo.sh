@@ -4,7 +4,9 @@
 # examples/slurm/dynamic_avg.sbatch on CPU, then submits it again and, once the first checkpoint
 # is written, sends the requeue signal the way SLURM does before a time limit (SIGUSR1 to every
 # task: `scancel -s USR1`). Lightning's auto-requeue writes the hpc checkpoint and requeues the job,
-# which restarts under the same id and resumes from it. Prints the evidence and stops the cluster.
+# which restarts under the same id and resumes from it. Then submits it on 2 nodes x 2 tasks with
+# `--hierarchy node` (one learner per node: DDP between a node's two tasks, dynamic averaging between
+# the nodes). Prints the evidence and stops the cluster.
 # Settings (environment): TRAIN_ARGS (train.py arguments; default a run of about a minute on 2 CPU
 # cores), PYTHON (default .venv/bin/python), LD_SLURM_* (see local_cluster.sh).
 # Recorded run (2 CPU cores, 148 s in all): job 3 straight through, COMPLETED in 52 s at global_step
@@ -16,6 +18,8 @@ HERE=examples/slurm
 TRAIN_ARGS=${TRAIN_ARGS:---epochs 40 --checkpoint-every 1000}
 export PYTHON=${PYTHON:-$PWD/.venv/bin/python}
 STATE=${LD_SLURM_DIR:-/tmp/ld-slurm}
+# Two CPUs per node, so that part 3's two tasks per node fit (on a 2-core machine they share the cores).
+export LD_SLURM_CPUS=${LD_SLURM_CPUS:-2}
 JOBS=$STATE/jobs
 # Job ids start again at 1 on a new cluster: keep this demo's runs apart from any earlier ones.
 export RUN_ROOT=$STATE/runs
@@ -42,9 +46,12 @@ wait_done() {
   done
 }
 
-submit() {
+submit() {  # sbatch options, if any, before the script; TRAIN_ARGS and "$@" after it go to train.py
+  local options=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do options+=("$1"); shift; done
+  if [ $# -gt 0 ]; then shift; fi
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of arguments
-  sbatch --parsable --output="$JOBS/%x-%j.out" "$HERE/dynamic_avg.sbatch" $TRAIN_ARGS
+  sbatch --parsable --output="$JOBS/%x-%j.out" "${options[@]}" "$HERE/dynamic_avg.sbatch" $TRAIN_ARGS "$@"
 }
 
 evidence() {
@@ -54,7 +61,7 @@ evidence() {
   echo "--- job $1: job completion log ($STATE/log/jobcomp.log)"
   grep "JobId=$1 " "$STATE/log/jobcomp.log" | grep -E -o '(JobId|JobState|StartTime|EndTime|NodeList|ExitCode)=[^ ]*' | paste -sd' ' | fold -w 160 || true
   echo "--- job $1: output ($JOBS/lightning-dist-$1.out)"
-  grep -E "training from|requeue|Requeu|Restored|finished|Error|error" "$JOBS/lightning-dist-$1.out" || true
+  grep -E "training from|requeue|Requeu|Restored|finished|learner|Error|error" "$JOBS/lightning-dist-$1.out" || true
 }
 
 echo "=== 1. straight through: sbatch $HERE/dynamic_avg.sbatch $TRAIN_ARGS"
@@ -80,4 +87,12 @@ wait_done "$job"
 echo "job $job done in $((SECONDS - start)) s (submission to end, requeue included)"
 evidence "$job"
 ls "$RUN_ROOT/slurm-$job"
-[ "$(job_state "$job")" = COMPLETED ] && [ "$(job_state "$plain")" = COMPLETED ]
+
+echo "=== 3. one learner per node: sbatch --ntasks-per-node=2 $HERE/dynamic_avg.sbatch $TRAIN_ARGS --hierarchy node"
+start=$SECONDS
+nodes=$(submit --ntasks-per-node=2 -- --hierarchy node)
+submitted+=("$nodes")
+wait_done "$nodes"
+echo "job $nodes done in $((SECONDS - start)) s"
+evidence "$nodes"
+for id in "$plain" "$job" "$nodes"; do [ "$(job_state "$id")" = COMPLETED ] || exit 1; done

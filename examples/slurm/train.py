@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--divergence-threshold", type=float, default=0.7)
     parser.add_argument("--check-every", type=int, default=10)
+    parser.add_argument("--hierarchy", choices=["none", "node"], default="none",
+                        help="node: one learner per node (DDP among a node's tasks, dynamic averaging between nodes)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps per rank (-1: --epochs decides)")
     parser.add_argument("--num-samples", type=int, default=20000)
@@ -124,7 +126,8 @@ def main() -> None:
     datamodule = MNIST1DDataModule(num_samples=args.num_samples, partition="dirichlet", dirichlet_alpha=0.5)
     model = MLPClassifier(datamodule.num_features, datamodule.num_classes, learning_rate=0.05, momentum=0.9)
     strategy = lightning_dist.DynamicAveragingStrategy(
-        divergence_threshold=args.divergence_threshold, check_every=args.check_every
+        divergence_threshold=args.divergence_threshold, check_every=args.check_every,
+        hierarchy=None if args.hierarchy == "none" else args.hierarchy,
     )
     checkpoints = ModelCheckpoint(
         dirpath=root_dir / "checkpoints", every_n_train_steps=args.checkpoint_every, save_last=True
@@ -142,6 +145,9 @@ def main() -> None:
         stats = strategy.comm_stats
         print(f"finished at global_step {trainer.global_step}: val_acc {trainer.callback_metrics.get('val_acc')}, "
               f"protocol bytes {stats.protocol_bytes}, all bytes {stats.bytes_sent}, syncs {stats.syncs}", flush=True)
+        if args.hierarchy == "node":
+            print(f"one learner per node: {strategy.num_learners} learners, bytes between nodes "
+                  f"{stats.bytes_by_level['inter_node']}, inside nodes {stats.bytes_by_level['intra_node']}", flush=True)
 
 
 if __name__ == "__main__":
