@@ -79,6 +79,7 @@ def protocol_of(method: dict[str, Any]) -> Protocol:
         hook = dict(method.get("hook") or {})
         return make_protocol("ddp", **({"hook": hook.pop("name"), **hook} if hook else {}))
     kwargs = dict(method["strategy"]["kwargs"])
+    kwargs.pop("hierarchy", None)  # the Simulation's, not the protocol's (hierarchy_of)
     cls = method["strategy"]["class"]
     if method.get("outer"):
         if method["outer"] != {"lr": 0.7, "momentum": 0.9, "nesterov": True}:
@@ -96,14 +97,22 @@ def protocol_of(method: dict[str, Any]) -> Protocol:
     raise ValueError(f"{method['name']}: no simulator protocol for {cls}")
 
 
+def hierarchy_of(method: dict[str, Any]) -> str | None:
+    """The strategy's ``hierarchy`` (None for DDP and for every rank a learner)."""
+    return method.get("strategy", {}).get("kwargs", {}).get("hierarchy") if method["kind"] != "ddp" else None
+
+
 def node_rate_mbit(node_mbit: float, ceiling_mbit: float) -> float:
     """The payload rate of a node capped at ``node_mbit``: the cap's TCP payload share, at most the ceiling."""
     return min(node_mbit * PAYLOAD_SHARE, ceiling_mbit)
 
 
 def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_mbit: float, ceiling_mbit: float,
-             step_s: float, max_virtual_s: float | None, max_steps: int, target: float | None) -> dict[str, Any]:
-    """One simulated run; stops at ``max_virtual_s``, ``max_steps`` or two evaluations after ``target``."""
+             step_s: float, max_virtual_s: float | None, max_steps: int, target: float | None,
+             ranks_per_node: int = 1, intra_mbit: float | None = None) -> dict[str, Any]:
+    """One simulated run of ``workers`` ranks, ``ranks_per_node`` to a machine (machines joined at ``node_mbit``, a
+    machine's ranks at ``intra_mbit``; ``lightning_dist.sim.machines``); stops at ``max_virtual_s``, ``max_steps``
+    or two evaluations after ``target``."""
     torch.manual_seed(0)
     datamodule = StdlibTextDataModule(seed=0, **config["data"])
     model = TransformerLM(**config["model"])
@@ -116,13 +125,17 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
         network=NetworkModel(latency=LATENCY_S, node_mbit=node_rate_mbit(node_mbit, ceiling_mbit),
                              half_duplex_links=True),
         speed=SpeedModel(step_seconds=step_s, aggregate_seconds=0.0), max_virtual_seconds=max_virtual_s,
-        eval_every=max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0)
+        eval_every=max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0,
+        ranks_per_node=ranks_per_node, hierarchy=hierarchy_of(method),
+        intra_node=None if intra_mbit is None else NetworkModel(latency=LATENCY_S, node_mbit=intra_mbit,
+                                                                half_duplex_links=True))
     started = time.perf_counter()
     result = simulation.run()
     rows = [{"time": row["time"], "mean_steps": row["mean_steps"], "val_loss": row["val_loss"], "bytes": row["bytes"]}
             for row in result.rows]
     hit = next((row for row in rows if target is not None and row["val_loss"] <= target), None)
-    return {"name": method["name"], "workers": workers, "node_mbit": node_mbit,
+    return {"name": method["name"], "workers": workers, "ranks_per_node": ranks_per_node, "intra_mbit": intra_mbit,
+            "bytes_by_level": result.summary["bytes_by_level"], "node_mbit": node_mbit,
             "rate_mbit": node_rate_mbit(node_mbit, ceiling_mbit), "step_s": step_s,
             "rows": rows, "time_to_target_s": hit["time"] if hit else None,
             "steps_to_target": hit["mean_steps"] if hit else None, "bytes_to_target": hit["bytes"] if hit else None,
@@ -160,9 +173,12 @@ def measured_ceiling_mbit(measured: dict[str, Any]) -> float:
     return (ring_all_reduce_seconds(unit, ranks, nbytes) - latency_s) / (round_s - latency_s)
 
 
-def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
-            ceiling_mbit: float) -> list[dict[str, Any]]:
+def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float, ceiling_mbit: float,
+            ranks_per_node: int = 1, intra_mbit: float | None = None) -> list[dict[str, Any]]:
+    """Every measured cell (of ``args.methods``, if given) simulated on the measured ranks, ``ranks_per_node`` to
+    a machine."""
     config, summary = measured["config"], measured["summary"]
+    ranks = config.get("ranks") or config["nodes"] * config["ranks_per_node"]
     methods = {method["name"]: method for method in config["methods"]}
     budget, target = config["budget_s"], summary["target_val_loss"]
     cells = []
@@ -170,8 +186,8 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
         if args.methods and row["name"] not in args.methods:
             continue
         max_steps = math.ceil(budget / step_s) + 1
-        predicted = simulate(config, methods[row["name"]], config["ranks"], row["node_mbit"], ceiling_mbit, step_s,
-                             budget, max_steps, None)
+        predicted = simulate(config, methods[row["name"]], ranks, row["node_mbit"], ceiling_mbit, step_s,
+                             budget, max_steps, None, ranks_per_node, intra_mbit)
         hit = next((r for r in predicted["rows"] if r["val_loss"] <= target), None)
         predicted.update(time_to_target_s=hit["time"] if hit else None, steps_to_target=hit["mean_steps"] if hit else None,
                          bytes_to_target=hit["bytes"] if hit else None)
@@ -194,15 +210,16 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
     return cells
 
 
-def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float,
-          ceiling_mbit: float) -> list[dict[str, Any]]:
+def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float, ceiling_mbit: float,
+          ranks_per_node: int = 1, intra_mbit: float | None = None) -> list[dict[str, Any]]:
+    """``args.scale_methods`` on each of ``args.scale_workers`` ranks, ``ranks_per_node`` to a machine."""
     config, target = measured["config"], measured["summary"]["target_val_loss"]
     methods = {method["name"]: method for method in config["methods"]}
     runs = []
     for workers in args.scale_workers:
         for name in args.scale_methods:
             run = simulate(config, methods[name], workers, args.scale_mbit, ceiling_mbit, step_s, None,
-                           args.scale_max_steps, target)
+                           args.scale_max_steps, target, ranks_per_node, intra_mbit)
             run.update(command=args.command, date=time.strftime("%Y-%m-%d"))
             runs.append(run)
             print(f"  {workers:>4} workers {name:<17} {fmt(run['time_to_target_s'])} s to target "
