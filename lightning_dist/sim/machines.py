@@ -5,8 +5,8 @@ Real clusters are machines (nodes) of several GPUs: inside a machine the ranks t
 (NVLink, PCIe, shared memory), between machines every machine has one network interface that its
 ranks share. With ``ranks_per_node=L`` the simulation's ``network``
 (:class:`~lightning_dist.sim.network.NetworkModel`) is the model of each machine's interface to the other
-machines: ``node_mbit`` caps what a *machine* sends and, apart, what it receives, ``link_mbit`` each pair of
-machines, ``latency`` a message between machines. ``intra_node`` is the link between two ranks of one machine
+machines: ``node_mbit`` caps what a *machine* sends and, apart, what it receives, ``link_mbit`` each connection
+(a pair of ranks), ``latency`` a message between machines. ``intra_node`` is the link between two ranks of one machine
 (default ``NetworkModel()``: no cap, no latency). With ``L = 1`` every rank is a machine of its own and the
 simulator is what it was.
 
@@ -37,7 +37,8 @@ rule is the case of a link that carries both edges of a step.
 - The protocol runs on one simulator node per learner, whose ports are the machine's interface. Local rank
   ``j`` carries chunk ``j`` of every exchange through that one interface, all ``L`` at once; together they take
   what one transfer of the whole takes, and a ring of ``N`` learners moves ``L`` slice rings of ``1/L`` of the
-  chunks in the time of one of the whole.
+  chunks in the time of one of the whole. Gloo's half-duplex rule for a pair of processes does not apply
+  between learners: their ``L`` pairs take turns independently and fill both directions of the interface.
 - What reaches a learner (a message's arrival, a collective's result) is usable once the machine has
   all-gathered its ``L`` chunks: ``ring_all_gather_seconds(intra_node, L, ceil(nbytes / L))`` later, ``nbytes``
   the bytes that reached it (a message's, an all-reduce's tensor, an all-gather's every payload).
@@ -63,7 +64,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_dist.algorithms.arguments import check_count
@@ -121,15 +122,19 @@ class Machines:
         hierarchy: Optional[str] = None,
         gradient_bytes: int = 0,
     ) -> None:
-        self.network = network
+        self.gathers = hierarchy is not None and ranks_per_node > 1
+        """Whether what reaches a learner waits for the machine's all-gather (and its steps for the all-reduce)."""
+        # Half-duplex links are Gloo's pair of processes taking turns. A learner of L > 1 ranks exchanges over L
+        # pairs of processes at once (its slice groups), whose turns interleave and fill both directions of the
+        # machine's interface (measured: a 2-node periodic round on 2 x 2 ranks takes 2.4 s, one model's time
+        # at 20 Mbit/s, not two).
+        self.network = replace(network, half_duplex_links=False) if self.gathers else network
         self.intra = intra_node if intra_node is not None else NetworkModel()
         self.ranks_per_node = ranks_per_node
         self.hierarchy = hierarchy
         self.shared = ranks_per_node if hierarchy is None else 1
         """Simulator nodes per machine: ``L`` flat, 1 under a hierarchy (a node is a machine's learner)."""
         self.workers = ranks if hierarchy is None else ranks // ranks_per_node
-        self.gathers = hierarchy is not None and ranks_per_node > 1
-        """Whether what reaches a learner waits for the machine's all-gather (and its steps for the all-reduce)."""
         self.gradient_bytes = gradient_bytes
 
     def machine_of(self, node: int) -> int:
@@ -145,10 +150,9 @@ class Machines:
         return self.network if level == INTER else self.intra
 
     def link(self, level: str, source: int, target: int) -> tuple[str, int, int]:
-        """The link a transfer holds: between the two machines, or inside a machine between the two ranks (both
-        directions one link when the level's model has half-duplex links)."""
-        if level == INTER:
-            source, target = self.machine_of(source), self.machine_of(target)
+        """The link a transfer holds: the connection of the two processes (both directions one link when the
+        level's model has half-duplex links, Gloo's pair taking turns). Two pairs of ranks between the same two
+        machines are two connections: they share the machines' interfaces (the ports), not a link."""
         if self.model(level).half_duplex_links:
             source, target = min(source, target), max(source, target)
         return level, source, target
