@@ -68,10 +68,17 @@ def two_nodes(tmp_path_factory):
     # One node: the 2-node checkpoint resumed, and from the start the hierarchy against Lightning's DDP.
     one_node = {**spec, "trainer": {**spec["trainer"], "num_nodes": 1}}
     single = [resumed, {**resumed_downpour, "name": "resumed_downpour"}, {"name": "ddp", "record_vectors": True, "strategy": "ddp"},
-              {"name": "hierarchy", "record_vectors": True, "strategy": runs[0]["strategy"]}]
+              {"name": "hierarchy", "record_vectors": True, "strategy": runs[0]["strategy"],
+               "checkpoint_dir": str(out / "ckpt_one")}]
     run_nodes(1, RANKS_PER_NODE, "fit", {**one_node, "runs": single}, out / "one")
     for run in single:
         results[f"one_node_{run['name']}"] = load_results(out / "one" / run["name"], RANKS_PER_NODE)
+    # One node grown to two: the one-node run's first-epoch checkpoint resumed by 2 nodes.
+    one_checkpoint = str(next((out / "ckpt_one").glob("epoch=0-*.ckpt")))
+    grown = {"name": "grown", "record_vectors": True, "strategy": runs[0]["strategy"], "ckpt_path": one_checkpoint}
+    run_nodes(NODES, RANKS_PER_NODE, "fit", {**spec, "runs": [grown]}, out / "grown")
+    results["grown"] = load_results(out / "grown" / "grown", NODES * RANKS_PER_NODE)
+    results["one_node_checkpoint"] = torch.load(one_checkpoint, weights_only=False)
     results["checkpoint"] = torch.load(checkpoint, weights_only=False)
     return results
 
@@ -186,6 +193,27 @@ def test_resume_on_as_many_nodes_is_bit_exact_and_on_one_node_starts_from_the_co
     # One node: nothing more crosses between nodes; the counters go on from the checkpoint's totals.
     saved = [CommStats.from_state_dict(replica["comm"]) for replica in checkpoint["lightning_dist"]["replicas"]]
     assert one[0]["comm"].bytes_by_level["inter_node"] == sum(stats.bytes_by_level["inter_node"] for stats in saved) > 0
+
+
+def test_resume_of_one_node_on_two_starts_both_nodes_from_the_checkpoint(two_nodes):
+    """1 node -> 2 nodes: the checkpoint of one node of 2 ranks (one learner) resumed by 2 nodes of 2 ranks. Every
+    rank starts from the checkpoint's model; then the two nodes drift apart (class-sorted parts) and average again
+    between nodes, a node's two ranks equal after every step, all four equal at the end; the counters go on from
+    the checkpoint's totals."""
+    grown, checkpoint = two_nodes["grown"], two_nodes["one_node_checkpoint"]
+    assert checkpoint["lightning_dist"]["world_size"] == RANKS_PER_NODE
+    consensus = torch.cat([value.flatten() for value in checkpoint["state_dict"].values()])
+    vectors = node_vectors(grown)  # no rank failed; node mates equal after every step
+    assert all(torch.equal(result["start_vector"], consensus) for result in grown)
+    steps = vectors[0].shape[0]
+    assert steps == grown[0]["num_training_batches"] and grown[0]["global_step"] == checkpoint["global_step"] + steps
+    agreed = [step for step in range(steps) if torch.equal(vectors[0][step], vectors[1][step])]
+    assert 0 < len(agreed) < steps, agreed  # the nodes drifted apart and averaged between them
+    assert all(torch.equal(result["vector"], grown[0]["vector"]) for result in grown)
+    saved = [CommStats.from_state_dict(replica["comm"]) for replica in checkpoint["lightning_dist"]["replicas"]]
+    assert sum(stats.bytes_by_level["inter_node"] for stats in saved) == 0  # one node: nothing crossed
+    assert grown[0]["comm"].bytes_by_level["inter_node"] > 0
+    assert grown[0]["comm"].bytes_by_purpose["gradients"] > sum(stats.bytes_by_purpose["gradients"] for stats in saved)
 
 
 def test_segmented_gossip_between_nodes_pulls_each_part_from_the_other_node(two_nodes):
