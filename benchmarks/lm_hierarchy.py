@@ -73,14 +73,15 @@ def level_table(report: dict[str, Any]) -> str:
     """The strategy's counted MB by level per method under a hierarchy (mean over seeds; every purpose: set-up,
     protocol, final): what crossed between nodes and what stayed inside. Flat runs count no levels (their bytes
     between nodes are the summary's wire MB)."""
-    lines = ["| method | inter-node MB | intra-node MB (all-gathers and DDP's gradients) |", "|---|---|---|"]
+    lines = ["| Mbit/s | method | inter-node MB | intra-node MB (all-gathers and DDP's gradients) |", "|---|---|---|---|"]
     runs = lm_network.all_runs(report)
-    for name in dict.fromkeys(run["name"] for run in runs):
-        group = [run for run in runs if run["name"] == name and any(run.get("bytes_by_level", {}).values())]
+    for name, mbit in dict.fromkeys((run["name"], run["node_mbit"]) for run in runs):
+        group = [run for run in runs if (run["name"], run["node_mbit"]) == (name, mbit)
+                 and any(run.get("bytes_by_level", {}).values())]
         if group:
             inter = sum(run["bytes_by_level"]["inter_node"] for run in group) / len(group) / 1e6
             intra = sum(run["bytes_by_level"]["intra_node"] for run in group) / len(group) / 1e6
-            lines.append(f"| {name} | {inter:.1f} | {intra:.1f} |")
+            lines.append(f"| {mbit:g} | {name} | {inter:.1f} | {intra:.1f} |")
     return "\n".join(lines)
 
 
@@ -95,22 +96,24 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     names = list(dict.fromkeys(run["name"] for run in runs))
     colors = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(names)}
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(14, 4.8))
-    seed = min(run["seed"] for run in runs)
+    seed, mbit = min(run["seed"] for run in runs), min(run["node_mbit"] for run in runs)
     for run in runs:
-        if run["seed"] == seed:
+        if (run["seed"], run["node_mbit"]) == (seed, mbit):
             curve = run["curve"]
             curves.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], color=colors[run["name"]],
                         label=run["name"], linestyle="-" if run["name"].endswith("_node") else "--")
     curves.axhline(target, color="black", linestyle=":", linewidth=1)
     curves.set_xlabel("wall-clock seconds of training")
     curves.set_ylabel("validation loss (nats/char)")
-    curves.set_title(f"seed {seed}: solid one learner per node, dashed every rank a learner", fontsize=10)
+    curves.set_title(f"seed {seed}, {mbit:g} Mbit/s: solid one learner per node, dashed every rank a learner",
+                     fontsize=10)
     curves.grid(True, alpha=0.3)
     curves.legend(fontsize=7, ncol=2)
     rows = summary["rows"]
     bars.bar(range(len(rows)), [row["time_to_target_s"] or 0 for row in rows],
              color=[colors[row["name"]] for row in rows])
-    bars.set_xticks(range(len(rows)), [f"{row['name']}\n{row['reached']}/{len(row['seeds'])}" for row in rows],
+    bars.set_xticks(range(len(rows)), [f"{row['name']} {row['node_mbit']:g}\n{row['reached']}/{len(row['seeds'])}"
+                                       for row in rows],
                     rotation=30, ha="right", fontsize=7)
     bars.set_ylabel(f"seconds to val loss {target:.3f} (mean of seeds that reached it)")
     bars.set_title("time to target (0: not reached in the budget)", fontsize=10)
