@@ -9,8 +9,8 @@ step, an all-gather of what arrives). The methods, protocols and task are ``lm_s
 
 Three constants of this machine come from the measured JSON, none from a time to target:
 
-- ``step_s``: the median training step of the flat local-update runs (compute only: their steps without a
-  synchronization, as ``lm_sim.measured_step_s``);
+- ``step_s``: the median training step of the flat local-update runs at the lowest measured bandwidth (the
+  3-seed one; compute only: their steps without a synchronization, as ``lm_sim.measured_step_s``);
 - ``intra_mbit``: the node runs' median step exceeds it by DDP's gradient all-reduce inside a node; that
   difference set equal to ``ring_all_reduce_seconds`` of the gradients among a node's ranks (half-duplex pairs,
   as Gloo) and solved for the rate;
@@ -59,10 +59,17 @@ SCALE_RANKS_PER_NODE = 8
 SCALE_METHODS = ["ddp", "ddp_powersgd_r4", "periodic_h50_node", "dynamic_default_node"]
 
 
+def calibration_mbit(measured: dict[str, Any]) -> float:
+    """The bandwidth the constants are taken at: the lowest measured (the 3-seed one)."""
+    return min(measured["config"]["bandwidths"])
+
+
 def median_step_s(measured: dict[str, Any], hierarchical: bool) -> float:
-    """The median training step (after the first five) of the local-update runs, with or without a hierarchy."""
+    """The median training step (after the first five) of the local-update runs at ``calibration_mbit``, with or
+    without a hierarchy."""
     durations = [duration for run in lm_network.all_runs(measured)
                  if run["kind"] in ("periodic", "dynamic") and run["name"].endswith("_node") == hierarchical
+                 and run["node_mbit"] == calibration_mbit(measured)
                  for rank in run["step_s_per_rank"] for duration in rank[5:]]
     return statistics.median(durations)
 
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         network = json.loads((REPO / "benchmarks" / "results" / f"{lm_network.PREFIX}.json").read_text())
         step_s, ceiling_mbit = median_step_s(measured, hierarchical=False), lm_sim.measured_ceiling_mbit(network)
         intra_mbit = intra_node_mbit(measured, step_s)
-        args.scale_mbit = measured["config"]["bandwidths"][0]
+        args.scale_mbit = calibration_mbit(measured)
         args.scale_workers = [nodes * args.scale_ranks_per_node for nodes in args.scale_nodes]
         args.command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
         report = json.loads(json_path.read_text()) if json_path.exists() and (args.predict_only or args.scale_only) else {}
