@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm_network  # noqa: E402  (sibling scripts, not a package)
 import lm_sim  # noqa: E402
-from lm_sim import LATENCY_S, fmt, merged_prediction, merged_scale, prediction_table  # noqa: E402
+from lm_sim import LATENCY_S, fmt  # noqa: E402
 
 from lightning_dist.sim import NetworkModel  # noqa: E402
 from lightning_dist.sim.collectives import ring_all_reduce_seconds  # noqa: E402
@@ -180,24 +180,11 @@ def main(argv: list[str] | None = None) -> int:
                             "date": time.strftime("%Y-%m-%d")}
         print(f"step {step_s:.4f} s, intra-node {intra_mbit:.0f} Mbit/s, ceiling {ceiling_mbit:.0f} Mbit/s (measured); "
               f"target loss {measured['summary']['target_val_loss']:.3f}")
-        if not args.scale_only:
-            print(f"part 1: prediction of the measured table ({measured['config']['nodes']} x "
-                  f"{measured['config']['ranks_per_node']})")
-            predicted = lm_sim.predict(args, measured, step_s, ceiling_mbit, measured["config"]["ranks_per_node"],
-                                       intra_mbit)
-            report["prediction"] = merged_prediction(report.get("prediction", []), predicted) if args.methods else predicted
-        if not args.predict_only:
-            print(f"part 2: {args.scale_nodes} nodes x {args.scale_ranks_per_node} ranks at {args.scale_mbit:g} Mbit/s")
-            new = lm_sim.scale(args, measured, step_s, ceiling_mbit, args.scale_ranks_per_node, intra_mbit)
-            report["scale"] = merged_scale(report.get("scale", []), new)
+        lm_sim.run_parts(args, measured, report, step_s, ceiling_mbit, measured["config"]["ranks_per_node"],
+                         intra_mbit)
         args.out.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=1))
-    if report.get("prediction"):
-        print(prediction_table(report["prediction"]))
-    if report.get("scale"):
-        print(scale_table(report["scale"], report["config"]["scale_mbit"]))
-    plot(report, args.out / f"{PREFIX}.png")
-    print(f"wrote {json_path} and {args.out / f'{PREFIX}.png'}")
+    lm_sim.show(report, args.out, PREFIX, scale_table, plot)
     return 0
 
 

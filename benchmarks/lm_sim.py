@@ -50,6 +50,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +132,9 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
                                                                 half_duplex_links=True))
     started = time.perf_counter()
     result = simulation.run()
-    rows = [{"time": row["time"], "mean_steps": row["mean_steps"], "val_loss": row["val_loss"], "bytes": row["bytes"]}
-            for row in result.rows]
+    # With machines of several ranks, the bytes that crossed between machines (the slow links).
+    rows = [{"time": row["time"], "mean_steps": row["mean_steps"], "val_loss": row["val_loss"],
+             "bytes": row.get("bytes_inter_node", row["bytes"])} for row in result.rows]
     hit = next((row for row in rows if target is not None and row["val_loss"] <= target), None)
     return {"name": method["name"], "workers": workers, "ranks_per_node": ranks_per_node, "intra_mbit": intra_mbit,
             "bytes_by_level": result.summary["bytes_by_level"], "node_mbit": node_mbit,
@@ -353,6 +355,31 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def run_parts(args: argparse.Namespace, measured: dict[str, Any], report: dict[str, Any], step_s: float,
+              ceiling_mbit: float, ranks_per_node: int = 1, intra_mbit: float | None = None) -> None:
+    """Part 1 (but with ``--scale-only``) and part 2 (but with ``--predict-only``) into ``report``: re-predicted
+    cells (``--methods``) and scale runs replace theirs, the others are kept."""
+    if not args.scale_only:
+        print("part 1: prediction of the measured table")
+        predicted = predict(args, measured, step_s, ceiling_mbit, ranks_per_node, intra_mbit)
+        report["prediction"] = merged_prediction(report.get("prediction", []), predicted) if args.methods else predicted
+    if not args.predict_only:
+        print(f"part 2: {args.scale_workers} ranks ({ranks_per_node} a machine) at {args.scale_mbit:g} Mbit/s")
+        new = scale(args, measured, step_s, ceiling_mbit, ranks_per_node, intra_mbit)
+        report["scale"] = merged_scale(report.get("scale", []), new)
+
+
+def show(report: dict[str, Any], out: Path, prefix: str, scale_table: Callable[[list[dict[str, Any]], float], str],
+         plot: Callable[[dict[str, Any], Path], None]) -> None:
+    """Print the report's tables and draw ``<out>/<prefix>.png``."""
+    if report.get("prediction"):
+        print(prediction_table(report["prediction"]))
+    if report.get("scale"):
+        print(scale_table(report["scale"], report["config"]["scale_mbit"]))
+    plot(report, out / f"{prefix}.png")
+    print(f"wrote {out / f'{prefix}.json'} and {out / f'{prefix}.png'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--measured", type=Path, default=REPO / "benchmarks" / "results" / "lm_network.json")
@@ -384,21 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                             "command": args.command,
                             "date": time.strftime("%Y-%m-%d")}
         print(f"step {step_s:.4f} s and ceiling {ceiling_mbit:.0f} Mbit/s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
-        if not args.scale_only:
-            print("part 1: prediction of the measured table")
-            predicted = predict(args, measured, step_s, ceiling_mbit)
-            report["prediction"] = merged_prediction(report.get("prediction", []), predicted) if args.methods else predicted
-        if not args.predict_only:
-            print(f"part 2: {args.scale_workers} workers at {args.scale_mbit:g} Mbit/s")
-            report["scale"] = merged_scale(report.get("scale", []), scale(args, measured, step_s, ceiling_mbit))
+        run_parts(args, measured, report, step_s, ceiling_mbit)
         args.out.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=1))
-    if report.get("prediction"):
-        print(prediction_table(report["prediction"]))
-    if report.get("scale"):
-        print(scale_table(report["scale"], report["config"]["scale_mbit"]))
-    plot(report, args.out / f"{PREFIX}.png")
-    print(f"wrote {json_path} and {args.out / f'{PREFIX}.png'}")
+    show(report, args.out, PREFIX, scale_table, plot)
     return 0
 
 
