@@ -49,7 +49,7 @@ import lm_sim  # noqa: E402
 from lm_sim import LATENCY_S, fmt  # noqa: E402
 
 from lightning_dist.sim import NetworkModel  # noqa: E402
-from lightning_dist.sim.collectives import ring_all_reduce_seconds  # noqa: E402
+from lightning_dist.sim.network_model import ring_all_reduce_seconds  # noqa: E402
 from lightning_dist.sim.numerics import pin_cpu_kernels  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

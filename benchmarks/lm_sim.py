@@ -60,7 +60,7 @@ from lightning_dist.algorithms.outer import diloco_outer_optimizer
 from lightning_dist.data import StdlibTextDataModule
 from lightning_dist.models import TransformerLM
 from lightning_dist.sim import NetworkModel, Simulation, SpeedModel
-from lightning_dist.sim.collectives import ring_all_reduce_seconds
+from lightning_dist.sim.network_model import ring_all_reduce_seconds
 from lightning_dist.sim.numerics import pin_cpu_kernels
 from lightning_dist.sim.protocols import Protocol, make_protocol
 

@@ -21,7 +21,7 @@ one learner per machine, DDP inside it, as the strategies' hierarchy; :mod:`ligh
 
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Message, Node, Simulator, SpeedModel, payload_bytes
-from lightning_dist.sim.network import NetworkModel
+from lightning_dist.sim.network_model import NetworkModel
 from lightning_dist.sim.protocols import (
     PROTOCOLS,
     DataParallel,

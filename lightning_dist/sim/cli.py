@@ -2,7 +2,7 @@
 
 The model and datamodule are named with ``class_path``/``init_args`` as in LightningCLI; the
 protocol by ``name`` plus its arguments; ``network`` and ``speed`` are
-:class:`~lightning_dist.sim.network.NetworkModel` and :class:`~lightning_dist.sim.engine.SpeedModel`.
+:class:`~lightning_dist.sim.network_model.NetworkModel` and :class:`~lightning_dist.sim.engine.SpeedModel`.
 Every value can be overridden on the command line (``--workers 64``, ``--network.latency 0.01``).
 Outputs go to ``--out``: ``metrics.csv``, ``workers.csv``, ``summary.json``, ``curves.png``.
 
@@ -32,7 +32,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import SpeedModel
-from lightning_dist.sim.network import NetworkModel
+from lightning_dist.sim.network_model import NetworkModel
 from lightning_dist.sim.protocols import make_protocol
 from lightning_dist.sim.report import write_report
 from lightning_dist.sim.simulation import Simulation

@@ -14,7 +14,7 @@ What Gloo does (torch 2.13's ``ProcessGroupGloo`` on CPU tensors calls ``gloo::a
 
 Timing. The simulator does not move the chunks as messages (a 256-member ring is 130,560 messages
 per all-reduce); once the last member has joined, every member waits for the ring's duration
-under the :class:`~lightning_dist.sim.network.NetworkModel` and then receives the result:
+under the :class:`~lightning_dist.sim.network_model.NetworkModel` and then receives the result:
 
 - all-reduce: ``2 (N - 1) * (M / N / rate + latency)``; all-gather: ``(N - 1) * (b / rate + latency)``,
   with ``rate`` the rate of one transfer (``min(node, link)``). In every step a member sends one
@@ -48,34 +48,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import simpy
 
-from lightning_dist.sim.network import Network, NetworkModel
-
-if TYPE_CHECKING:
-    from lightning_dist.sim.machines import Machines
-
-
-def ring_step_seconds(model: NetworkModel, members: int, chunk_bytes: float) -> float:
-    """One ring step: a chunk over one link, then the latency (two chunks on a shared half-duplex link of a pair)."""
-    turns = 2 if members == 2 and model.half_duplex_links else 1
-    return turns * model.transmission_seconds(chunk_bytes) + model.latency
-
-
-def ring_all_reduce_seconds(model: NetworkModel, members: int, nbytes: float) -> float:
-    """Duration of a ring all-reduce of ``nbytes`` among ``members``: ``2 (N - 1)`` steps of ``nbytes / N``."""
-    if members < 2:
-        return 0.0
-    return 2 * (members - 1) * ring_step_seconds(model, members, nbytes / members)
-
-
-def ring_all_gather_seconds(model: NetworkModel, members: int, nbytes: float) -> float:
-    """Duration of a ring all-gather of ``nbytes`` per member among ``members``: ``N - 1`` steps of ``nbytes``."""
-    if members < 2:
-        return 0.0
-    return (members - 1) * ring_step_seconds(model, members, nbytes)
+from lightning_dist.sim.machines import Machines
+from lightning_dist.sim.network import Network
 
 
 @dataclass

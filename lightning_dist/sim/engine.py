@@ -34,7 +34,8 @@ from torch import Tensor
 
 from lightning_dist.sim.collectives import Collectives
 from lightning_dist.sim.machines import Machines
-from lightning_dist.sim.network import Network, NetworkModel
+from lightning_dist.sim.network import Network
+from lightning_dist.sim.network_model import NetworkModel
 
 T = TypeVar("T")
 
@@ -202,12 +203,13 @@ class Node:
         if kind == "step" and machines.step_bytes:
             self.simulator.network.count_level("intra_node", machines.step_bytes)
         if speed.modelled(kind):
-            seconds = machines.step_seconds(speed, self.index, kind, 0.0)
+            seconds = speed.duration(self.index, kind, 0.0) + machines.gradient_seconds(kind)
             yield self.simulator.env.timeout(seconds)
             result, measured = _timed(fn, args)
         else:
             result, measured = _timed(fn, args)
-            seconds = machines.step_seconds(speed, self.index, kind, measured)
+            seconds = speed.duration(self.index, kind, machines.compute_share(kind, measured))
+            seconds += machines.gradient_seconds(kind)
             yield self.simulator.env.timeout(seconds)
         self.wall_compute_seconds += measured
         self.compute_seconds += seconds

@@ -65,15 +65,16 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from lightning_dist.algorithms.arguments import check_count
-from lightning_dist.sim.collectives import ring_all_gather_seconds, ring_all_reduce_seconds, ring_step_seconds
-from lightning_dist.sim.network import NetworkModel
+from lightning_dist.sim.network_model import (
+    NetworkModel,
+    ring_all_gather_seconds,
+    ring_all_reduce_seconds,
+    ring_step_seconds,
+)
 from lightning_dist.strategies._hierarchy import check_hierarchy
-
-if TYPE_CHECKING:
-    from lightning_dist.sim.engine import SpeedModel
 
 INTER, INTRA = "inter_node", "intra_node"
 
@@ -168,13 +169,17 @@ class Machines:
         return (ring_all_gather_seconds(self.intra, self.ranks_per_node, chunk),
                 (self.ranks_per_node - 1) * self.ranks_per_node * chunk)
 
-    def step_seconds(self, speed: SpeedModel, node: int, kind: str, measured: float) -> float:
-        """Virtual seconds of an ``execute`` of ``kind`` on ``node`` that took ``measured`` (the
-        :class:`SpeedModel`'s); a learner's training step: one rank's share, then the gradient all-reduce."""
+    def compute_share(self, kind: str, measured: float) -> float:
+        """The part of a measured ``execute`` of ``kind`` that one rank takes: a learner's training step ran its
+        ``L`` ranks one after the other here, while they compute in parallel."""
+        return measured / self.ranks_per_node if self.gathers and kind == "step" else measured
+
+    def gradient_seconds(self, kind: str) -> float:
+        """What an ``execute`` of ``kind`` adds after its compute: a learner's gradient ring all-reduce inside its
+        machine after a training step; nothing otherwise."""
         if not self.gathers or kind != "step":
-            return speed.duration(node, kind, measured)
-        gradient = ring_all_reduce_seconds(self.intra, self.ranks_per_node, self.gradient_bytes)
-        return speed.duration(node, kind, measured / self.ranks_per_node) + gradient
+            return 0.0
+        return ring_all_reduce_seconds(self.intra, self.ranks_per_node, self.gradient_bytes)
 
     @property
     def step_bytes(self) -> int:

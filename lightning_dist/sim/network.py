@@ -26,83 +26,17 @@ of where it goes. A learner of several ranks receives a message once its machine
 from __future__ import annotations
 
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
 import simpy
 
 from lightning_dist.comm.stats import LEVELS
 
-if TYPE_CHECKING:
-    from lightning_dist.sim.machines import Machines
-
-BITS_PER_BYTE = 8
-MEGABIT = 1e6
-
-
-def _check_bandwidth(name: str, value: Optional[float]) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 (Mbit/s) or None for no cap; got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class NetworkModel:
-    """Latency and bandwidth caps of the simulated network (validated on construction).
-
-    Args:
-        latency: seconds from a message's last byte leaving to its arrival, ``>= 0``. Default 0.
-        node_mbit: per-node cap on sending and, separately, on receiving, Mbit/s; None: no cap.
-        link_mbit: per-link cap (each ordered pair of nodes), Mbit/s; None: no cap.
-        half_duplex_links: the two directions of a link share it (Gloo's behaviour between two
-            processes); default False.
-    """
-
-    latency: float = 0.0
-    node_mbit: Optional[float] = None
-    link_mbit: Optional[float] = None
-    half_duplex_links: bool = False
-
-    def __post_init__(self) -> None:
-        latency = self.latency
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not (
-            math.isfinite(latency) and latency >= 0
-        ):
-            raise ValueError(f"latency must be a finite number of seconds >= 0; got {latency!r}")
-        object.__setattr__(self, "latency", float(latency))
-        object.__setattr__(self, "node_mbit", _check_bandwidth("node_mbit", self.node_mbit))
-        object.__setattr__(self, "link_mbit", _check_bandwidth("link_mbit", self.link_mbit))
-        if not isinstance(self.half_duplex_links, bool):
-            raise ValueError(f"half_duplex_links must be a bool; got {self.half_duplex_links!r}")
-
-    @property
-    def lanes(self) -> Optional[int]:
-        """Transfers a port carries at once; None when only the links limit them."""
-        if self.node_mbit is None:
-            return None
-        if self.link_mbit is None:
-            return 1
-        return max(1, math.floor(self.node_mbit / self.link_mbit + 1e-9))
-
-    @property
-    def bytes_per_second(self) -> float:
-        """Rate of one transfer: ``min(node, link)`` in bytes/s (``inf`` without caps)."""
-        caps = [cap for cap in (self.node_mbit, self.link_mbit) if cap is not None]
-        return min(caps) * MEGABIT / BITS_PER_BYTE if caps else math.inf
-
-    def transmission_seconds(self, nbytes: int) -> float:
-        """Time a transfer of ``nbytes`` occupies its ports and link."""
-        return 0.0 if nbytes == 0 or math.isinf(self.bytes_per_second) else nbytes / self.bytes_per_second
-
-    def transfer_seconds(self, nbytes: int) -> float:
-        """A lone transfer's duration: ``latency + nbytes / bandwidth``."""
-        return self.latency + self.transmission_seconds(nbytes)
-
+from lightning_dist.sim.machines import Machines
+from lightning_dist.sim.network_model import NetworkModel
 
 @dataclass
 class Transfer:

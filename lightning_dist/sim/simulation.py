@@ -39,7 +39,7 @@ from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
 from lightning_dist.sim.machines import Machines, check_machines
-from lightning_dist.sim.network import NetworkModel
+from lightning_dist.sim.network_model import NetworkModel
 from lightning_dist.sim.numerics import intra_op_threads, numerics
 from lightning_dist.sim.protocols.base import Program, Protocol
 from lightning_dist.sim.replica import Evaluator, NodeReplica, Replica
@@ -83,7 +83,7 @@ class Simulation:
         protocol: a :class:`~lightning_dist.sim.protocols.Protocol`.
         workers: number of virtual workers (ranks, e.g. GPUs, in all), ``>= 1``; a multiple of ``ranks_per_node``.
         max_steps: optimizer steps per worker (per learner under a hierarchy), ``>= 1``.
-        network: the :class:`~lightning_dist.sim.network.NetworkModel`; default: no latency, no caps. With
+        network: the :class:`~lightning_dist.sim.network_model.NetworkModel`; default: no latency, no caps. With
             ``ranks_per_node > 1`` the model of each machine's interface to the other machines, which the
             machine's ranks share.
         speed: the :class:`~lightning_dist.sim.engine.SpeedModel`; default: measured durations.

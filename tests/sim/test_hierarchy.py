@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist.algorithms.averaging import accumulated_nbytes
 from lightning_dist.sim import DataParallel, NetworkModel, PeriodicAveraging, Simulation, SpeedModel, make_protocol
-from lightning_dist.sim.collectives import ring_all_gather_seconds, ring_all_reduce_seconds
+from lightning_dist.sim.network_model import ring_all_gather_seconds, ring_all_reduce_seconds
 from lightning_dist.sim.replica import NodeReplica, Replica
 from sim.helpers import simulation
 from sim.test_ddp import Regressor

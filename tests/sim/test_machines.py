@@ -10,7 +10,7 @@ import pytest
 
 from lightning_dist.cli import main
 from lightning_dist.sim import Churn, NetworkModel, PeriodicAveraging, Simulator
-from lightning_dist.sim.collectives import ring_all_gather_seconds
+from lightning_dist.sim.network_model import ring_all_gather_seconds
 from lightning_dist.sim.machines import Machines
 from sim.helpers import simulation
 
