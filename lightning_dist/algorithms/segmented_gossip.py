@@ -40,11 +40,23 @@ from lightning_dist.algorithms.arguments import check_count, check_steps
 from lightning_dist.algorithms.averaging import weighted_average
 
 
+DEFAULT_REPLICAS = 2
+"""Paper 002's ``R``, where there are that many peers."""
+
+
 def check_gossip_arguments(segments: object, replicas: object, period: object) -> None:
-    """Segmented gossip's ``S``, ``R`` and ``tau``: integers >= 1 (``R < m`` is checked once ``m`` is known)."""
+    """Segmented gossip's ``S``, ``R`` and ``tau``: integers >= 1, ``R`` also None (:func:`default_replicas`;
+    ``R < m`` is checked once ``m`` is known)."""
     check_steps("segments", segments, "segments the model vector is split into")
-    check_steps("replicas", replicas, "peers each segment is pulled from")
+    if replicas is not None:
+        check_steps("replicas", replicas, "peers each segment is pulled from, or None for the default")
     check_steps("period", period, "optimizer steps between gossip rounds")
+
+
+def default_replicas(peers: int) -> int:
+    """``R`` when none is given: paper 002's 2, or the ``peers`` there are if fewer (1 with 2 workers), so that the
+    defaults run on any number of workers. An ``R`` given explicitly is never lowered."""
+    return min(DEFAULT_REPLICAS, peers)
 
 
 def segment_bounds(num_elements: int, segments: int) -> list[tuple[int, int]]:

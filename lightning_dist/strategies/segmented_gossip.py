@@ -12,6 +12,7 @@ from torch import Tensor
 from lightning_dist.algorithms.segmented_gossip import (
     aggregate,
     check_gossip_arguments,
+    default_replicas,
     mixed_from_pulls,
     pack_segments,
     pull_plan,
@@ -61,7 +62,9 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
     Args:
         segments: ``S >= 1``, segments the model vector is split into; at most its number of
             elements. Paper 002's default 10.
-        replicas: ``R``, peers each segment is pulled from, in ``[1, m - 1]``. Paper 002's default 2.
+        replicas: ``R``, peers each segment is pulled from, in ``[1, m - 1]`` (``m`` the ranks, or the nodes under
+            ``hierarchy="node"``). None (default): paper 002's 2, or ``m - 1`` where that is fewer (1 on 2 ranks),
+            chosen at set-up; an explicit value out of range is refused.
         period: ``tau >= 1``, optimizer steps between rounds. Paper 002's default 40.
         seed: seeds the pull plans (the same on every rank).
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
@@ -69,7 +72,8 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
 
     strategy_name = "segmented_gossip"
 
-    def __init__(self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, segments: int = 10, replicas: int | None = None, period: int = 40, seed: int = 0,
+                 **kwargs: Any) -> None:
         check_gossip_arguments(segments, replicas, period)
         if kwargs.get("compression") is not None:
             raise ValueError(
@@ -78,7 +82,8 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
             )
         super().__init__(seed=seed, **kwargs)
         self.segments = segments
-        self.replicas = replicas
+        self.requested_replicas = replicas
+        self.replicas = replicas  # set at set-up: the default depends on the ranks (or nodes) there are
         self.period = period
         self._bounds: list[tuple[int, int]] = []
         self._dataset_sizes: Tensor | None = None
@@ -93,6 +98,13 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()  # refuses fewer than 2 processes
+        if self.hierarchy is not None and self.num_nodes < 2:
+            raise ValueError(
+                "SegmentedGossipStrategy with hierarchy='node' needs num_nodes >= 2: the nodes are its peers (one "
+                f"node is plain DDP: use strategy='ddp'); got num_nodes={self.num_nodes}"
+            )
+        peers = self.world_size - 1 if self.hierarchy is None else self.num_nodes - 1
+        self.replicas = default_replicas(peers) if self.requested_replicas is None else self.requested_replicas
         if self.hierarchy is None and self.replicas > self.world_size - 1:
             raise ValueError(
                 f"replicas must be an integer in [1, {self.world_size - 1}] (distinct peers per segment among the "

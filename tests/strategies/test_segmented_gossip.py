@@ -230,7 +230,8 @@ def test_ranks_are_weighted_by_their_true_part_sizes():
     [
         ({"segments": 0}, r"segments must be an integer >= 1 \(segments the model vector is split into\); got 0"),
         ({"segments": 2.5}, r"segments must be an integer >= 1"),
-        ({"replicas": 0}, r"replicas must be an integer >= 1 \(peers each segment is pulled from\); got 0"),
+        ({"replicas": 0}, r"replicas must be an integer >= 1 \(peers each segment is pulled from, or None for the "
+                          r"default\); got 0"),
         ({"replicas": True}, r"replicas must be an integer >= 1"),
         ({"period": -1}, r"period must be an integer >= 1 \(optimizer steps between gossip rounds\); got -1"),
     ],

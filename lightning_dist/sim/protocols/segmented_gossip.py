@@ -48,6 +48,7 @@ from lightning_dist.algorithms.segmented_gossip import (
     aggregate,
     aggregate_pulled,
     check_gossip_arguments,
+    default_replicas,
     mixed_from_pulls,
     pack_segments,
     pull_plan,
@@ -64,7 +65,8 @@ from lightning_dist.sim.replica import check_finite
 class SegmentedGossip(Protocol):
     """Args:
     segments: ``S >= 1``, segments per model; 1 is plain gossip. Default 10 (paper 002).
-    replicas: ``R`` peers each segment is pulled from, in ``[1, workers - 1]``. Default 2.
+    replicas: ``R`` peers each segment is pulled from, in ``[1, workers - 1]``. None (default): 2 (paper 002),
+        or ``workers - 1`` where that is fewer, as the strategy.
     period: ``tau >= 1``, local steps between rounds. Default 40.
     seed: seeds the pull plans.
     topology: ``"server"`` (the segments only) or ``"strategy"`` (also the strategy's all-gathered
@@ -75,7 +77,7 @@ class SegmentedGossip(Protocol):
     arguments = ("segments", "replicas", "period", "seed", "topology")
 
     def __init__(
-        self, segments: int = 10, replicas: int = 2, period: int = 40, seed: int = 0, topology: str = "server"
+        self, segments: int = 10, replicas: int | None = None, period: int = 40, seed: int = 0, topology: str = "server"
     ) -> None:
         check_gossip_arguments(segments, replicas, period)
         self.segments = segments
@@ -85,6 +87,8 @@ class SegmentedGossip(Protocol):
         self.topology = check_topology(topology)
 
     def validate(self, num_workers: int, max_steps: int) -> None:
+        if self.replicas is None and num_workers >= 2:
+            self.replicas = default_replicas(num_workers - 1)
         if num_workers < 2 or self.replicas > num_workers - 1:
             raise ValueError(
                 f"replicas must be in [1, workers - 1] = [1, {num_workers - 1}] (distinct peers per segment); "
