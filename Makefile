@@ -8,7 +8,7 @@ READY := $(VENV)/.ready
 $(READY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -c constraints.txt torch==2.13.0
-	$(VENV)/bin/pip install -q -c constraints.txt -e ".[test,bench]"
+	$(VENV)/bin/pip install -q -c constraints.txt -e ".[test,bench,docs]"
 	touch $(READY)
 
 demo: $(READY)
