@@ -131,7 +131,8 @@ class PairBalancer:
         ranks: ranks whose differences share the running sum, ``>= 1``.
         examples_per_rank: examples each rank reads per epoch; even (pairs), ``>= 2``.
         dim: length of the difference vectors (the model's parameter count, or the projection's).
-        dtype / device: of the running sum (the differences' dtype and device).
+        dtype: of the running sum (the differences' dtype).
+        device: of the running sum (the differences' device).
     """
 
     def __init__(

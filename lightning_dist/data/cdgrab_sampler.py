@@ -42,7 +42,8 @@ class CDGraBSampler(DistributedSampler):
         dataset: map-style dataset with a length.
         batch_size: examples per step on each rank (the loader's ``batch_size``); even, because
             CD-GraB balances consecutive examples in pairs.
-        num_replicas / rank: as for ``DistributedSampler`` (default: from the process group).
+        num_replicas: as for ``DistributedSampler`` (default: from the process group).
+        rank: as for ``DistributedSampler`` (default: from the process group).
         order: ``"balanced"`` (orders come from the ``CDGraB`` callback from epoch 1 on) or
             ``"random"`` (a fresh seeded permutation every epoch: D-RR).
         seed: seeds the partition and the random permutations; must be the same on every rank.
