@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 READY := $(VENV)/.ready
 
-.PHONY: demo test bench slurm-demo clean
+.PHONY: demo test bench docs docs-serve slurm-demo clean
 
 $(READY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,17 @@ test: $(READY)
 bench: $(READY)
 	$(VENV)/bin/python benchmarks/averaging.py
 
+# The documentation site (mkdocs.yml, docs/) into site/, warnings as errors; docs-serve: live at http://127.0.0.1:8000.
+docs: $(READY)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict --site-dir site
+
+docs-serve: $(READY)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs serve --strict
+
 # Not part of `make test`: installs Debian's slurm-wlm and munge when absent (root, apt-get), runs the
 # sbatch example on a local 2-node SLURM cluster, preempts and requeues it, then stops the cluster.
 slurm-demo: $(READY)
 	examples/slurm/demo.sh
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site
