@@ -81,7 +81,7 @@ THRESHOLDS = [2.0, 4.0, 8.0, 16.0]
 # the k-th one labelling y as (y + k) mod 10, so that every label changes at every drift. Ranks
 # draw a fresh random part every epoch ("reshuffled"): with fixed parts, each local model fits
 # its 157 examples and goes quiet before the average is as good as periodic averaging's (see the
-# README), which is outside the paper's stream assumption.
+# docs/results/averaging.md), which is outside the paper's stream assumption.
 DRIFT_EPOCHS = 100
 DRIFT_EVERY = 20
 DRIFT_PARTITION = "reshuffled"

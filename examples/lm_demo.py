@@ -12,7 +12,7 @@ quarter of its computing: 100 steps at 20 Mbit/s). Training is real; time is vir
 headline cell of the measured language-model benchmark, replayed by the simulator: the model, data,
 DDP, target loss, compute time per step and network come from ``benchmarks/results/lm_network.json``
 (4 real ranks on a capped network), and ``benchmarks/lm_sim.py`` runs it (its ``simulate``), so what is
-printed here is what that script predicts and the README sets against the measurement. Each method
+printed here is what that script predicts and docs/results/language-model-simulated.md sets against the measurement. Each method
 trains until its averaged model's validation loss reaches the target; the script prints the virtual
 seconds and steps to it, the bytes sent and the speed-up, and writes a plot of loss against virtual time.
 

@@ -97,7 +97,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             synchronization may cost at the period whose drift becomes ``Delta``; None takes
             ``calibration_steps``. Default 0.25: on the package's language model it took the drift of 20
             steps at 100 Mbit/s and of 70-100 at 20 Mbit/s, and 30-40 steps (Delta 2-6) on a digits MLP,
-            each near the best threshold a sweep found there (README, "Results").
+            each near the best threshold a sweep found there (docs/results/averaging.md and language-model.md).
         seed: seeds the random augmentation of the balancing set (the same on every rank).
         outer_optimizer: None (default): a full synchronization hands out the mean. Otherwise the
             outer optimizer applied there, built from a list of tensors, as in

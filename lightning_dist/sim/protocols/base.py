@@ -78,7 +78,7 @@ class Protocol(ABC):
         """Raise a ValueError when this protocol cannot run with workers leaving and joining.
 
         ``topology="strategy"`` moves what the lightning_dist strategy moves, and the strategies
-        cannot lose or gain a rank without a restart (README, "Workers that leave and join"), so
+        cannot lose or gain a rank without a restart (docs/launching.md, "Workers that leave and join"), so
         churn takes the papers' setting, ``topology="server"``.
         """
         if getattr(self, "topology", "server") == "strategy":
