@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                             "date": time.strftime("%Y-%m-%d")}
         print(f"step {step_s:.4f} s, intra-node {intra_mbit:.0f} Mbit/s, ceiling {ceiling_mbit:.0f} Mbit/s (measured); "
               f"target loss {measured['summary']['target_val_loss']:.3f}")
-        lm_sim.run_parts(args, measured, report, step_s, ceiling_mbit, measured["config"]["ranks_per_node"],
-                         intra_mbit)
+        lm_sim.run_parts(args, measured, report, step_s, ceiling_mbit, intra_mbit, measured["config"]["ranks_per_node"],
+                         args.scale_ranks_per_node)
         args.out.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=1))
     lm_sim.show(report, args.out, PREFIX, scale_table, plot)

@@ -356,16 +356,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def run_parts(args: argparse.Namespace, measured: dict[str, Any], report: dict[str, Any], step_s: float,
-              ceiling_mbit: float, ranks_per_node: int = 1, intra_mbit: float | None = None) -> None:
-    """Part 1 (but with ``--scale-only``) and part 2 (but with ``--predict-only``) into ``report``: re-predicted
-    cells (``--methods``) and scale runs replace theirs, the others are kept."""
+              ceiling_mbit: float, intra_mbit: float | None = None, measured_ranks_per_node: int = 1,
+              scale_ranks_per_node: int = 1) -> None:
+    """Part 1 (but with ``--scale-only``, on the measured machines) and part 2 (but with ``--predict-only``, on
+    machines of ``scale_ranks_per_node``) into ``report``: re-predicted cells (``--methods``) and scale runs
+    replace theirs, the others are kept."""
     if not args.scale_only:
         print("part 1: prediction of the measured table")
-        predicted = predict(args, measured, step_s, ceiling_mbit, ranks_per_node, intra_mbit)
+        predicted = predict(args, measured, step_s, ceiling_mbit, measured_ranks_per_node, intra_mbit)
         report["prediction"] = merged_prediction(report.get("prediction", []), predicted) if args.methods else predicted
     if not args.predict_only:
-        print(f"part 2: {args.scale_workers} ranks ({ranks_per_node} a machine) at {args.scale_mbit:g} Mbit/s")
-        new = scale(args, measured, step_s, ceiling_mbit, ranks_per_node, intra_mbit)
+        print(f"part 2: {args.scale_workers} ranks ({scale_ranks_per_node} a machine) at {args.scale_mbit:g} Mbit/s")
+        new = scale(args, measured, step_s, ceiling_mbit, scale_ranks_per_node, intra_mbit)
         report["scale"] = merged_scale(report.get("scale", []), new)
 
 
