@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_dist._resize import counters_kept_in_total
+from lightning_dist.counters import counters_kept_in_total
 from lightning_dist.algorithms.selection import LossHistory, merge_histories
 from lightning_dist.callbacks._exchange import all_gather_rows, wire_bytes
 
@@ -129,7 +129,7 @@ def resized_rank_state(
     all-gather of the old ranks cannot be replayed by another number. The first epoch after the
     resume therefore trains on local records only, like a run's first epoch, and exchanges start
     again at its end. A rank that existed keeps its selector RNG; a new rank starts from its seed,
-    as in a fresh run. The counters are kept in total (``lightning_dist/_resize.py``).
+    as in a fresh run. The counters are kept in total (``lightning_dist/counters.py``).
     """
     histories = []
     for saved in ranks:

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 
-from lightning_dist._resize import counters_kept_in_total
+from lightning_dist.counters import counters_kept_in_total
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.balancing import PairBalancer
 from lightning_dist.algorithms.projection import CountSketch

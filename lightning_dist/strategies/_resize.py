@@ -13,7 +13,7 @@ counters). Resumed by ``m'`` processes after ``m`` wrote it:
 - the communication counters (and any per-rank count a strategy keeps, e.g. DownpourSGD's pushes) are
   kept in total: rank ``r < min(m, m')`` keeps its own, new ranks start at zero, and when ranks go
   away their counters are added to rank 0's, so the summed ``comm_stats`` go on from where they stood
-  (``lightning_dist/_resize.py``, shared with the callbacks);
+  (``lightning_dist/counters.py``, shared with the callbacks);
 - the protocol's shared state is the strategy's to translate
   (:meth:`LocalUpdateStrategy.resized_protocol_state`), and refused by name where it has none; its
   per-rank state is reset unless the strategy says what carries over
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_dist._resize import counters_kept_in_total
+from lightning_dist.counters import counters_kept_in_total
 from lightning_dist.comm import CommStats
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dist._resize import counters_kept_in_total
+from lightning_dist.counters import counters_kept_in_total
 from lightning_dist.algorithms.arguments import check_compression, check_flag, check_steps
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.compressed_pushes import CompressedPushes, CompressedReplies, reply_nbytes

@@ -1,6 +1,6 @@
-"""Per-rank counters of a checkpoint resumed at another world size (lightning_dist/_resize.py), one process."""
+"""Per-rank counters of a checkpoint resumed at another world size (lightning_dist/counters.py), one process."""
 
-from lightning_dist._resize import counters_kept_in_total
+from lightning_dist.counters import counters_kept_in_total
 
 
 def test_counters_are_kept_in_total_whichever_way_the_world_changes():
