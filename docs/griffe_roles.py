@@ -1,7 +1,7 @@
 """A griffe extension for the API reference: the docstrings' Sphinx roles as Markdown.
 
 The package's docstrings are Google style with reStructuredText inline markup: ``:class:`~a.b.C```,
-``:func:`f```, ``:mod:`a.b```, and ``::`` before a literal block. mkdocstrings renders Markdown, where
+``:func:`f```, ``:mod:`a.b```, ``:meth:`title <a.b.C.m>```, and ``::`` before a literal block. mkdocstrings renders Markdown, where
 a role would show as ``:class:`` followed by code. This turns each role into an *optional*
 cross-reference (``<autoref optional ...>``): a link when the target is on one of the API pages, plain
 code otherwise, so a role naming a private module never breaks ``mkdocs build --strict``. A ``~`` keeps
@@ -20,6 +20,7 @@ import griffe
 
 ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`(?P<tilde>~?)(?P<target>[^`]+)`")
 LITERAL_BLOCK = re.compile(r"::\n\n")
+EXPLICIT_TITLE = re.compile(r"(?P<title>[^<]+?)\s*<(?P<target>[^>]+)>")
 
 
 def _resolve(obj: griffe.Object, target: str) -> str:
@@ -47,7 +48,11 @@ def _resolve(obj: griffe.Object, target: str) -> str:
 def _markdown(obj: griffe.Object, text: str) -> str:
     def replace(match: re.Match[str]) -> str:
         target = match["target"]
-        title = target.rsplit(".", 1)[-1] if match["tilde"] else target
+        explicit = EXPLICIT_TITLE.fullmatch(target)
+        if explicit:  # Sphinx's ``:meth:`title <target>```
+            title, target = explicit["title"], explicit["target"]
+        else:
+            title = target.rsplit(".", 1)[-1] if match["tilde"] else target
         identifier = _resolve(obj, target)
         return f'<autoref identifier="{identifier}" optional><code>{title}</code></autoref>'
 

@@ -18,17 +18,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-if TYPE_CHECKING:
-    from lightning_dist.callbacks.data_gossip import DataGossip
-
 FOREIGN = None
 """Tag of a foreign batch in :attr:`WovenLoader.tags` (local batches are tagged with their indices)."""
+
+
+class ForeignRecords(Protocol):
+    """What the woven loader asks of the records it weaves in (:class:`~lightning_dist.callbacks.DataGossip`):
+    how often, whether any arrived, and the next batch of them."""
+
+    weave_every: int
+
+    @property
+    def has_foreign_records(self) -> bool: ...
+
+    def next_foreign_batch(self, collate_fn: Callable[[list[Any]], Any], batch_size: Optional[int]) -> Any: ...
 
 
 class IndexRecorder(Sampler[list[int]]):
@@ -113,7 +122,7 @@ class WovenLoader:
     can tell which batch a training step saw.
     """
 
-    def __init__(self, source: DataLoader, gossip: DataGossip) -> None:
+    def __init__(self, source: DataLoader, gossip: ForeignRecords) -> None:
         self.source = check_train_loader(source)
         self.recorder = IndexRecorder(source.batch_sampler)
         # Same dataset, collate_fn and worker settings; only the batch sampler is wrapped. Batches

@@ -33,7 +33,8 @@ from lightning_dist.sim.protocols import (
     make_protocol,
 )
 from lightning_dist.sim.replica import NonFiniteModelError
-from lightning_dist.sim.simulation import Simulation, SimulationResult
+from lightning_dist.sim.run_state import SimulationResult
+from lightning_dist.sim.simulation import Simulation
 
 __all__ = [
     "PROTOCOLS",

@@ -23,8 +23,8 @@ import functools
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, Optional
 
 import lightning as L
@@ -35,7 +35,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.algorithms.arguments import check_count
-from lightning_dist.algorithms.averaging import weighted_average
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
 from lightning_dist.sim.machines import Machines, check_machines
@@ -43,6 +42,7 @@ from lightning_dist.sim.network_model import NetworkModel
 from lightning_dist.sim.numerics import intra_op_threads, numerics
 from lightning_dist.sim.protocols.base import Program, Protocol
 from lightning_dist.sim.replica import Evaluator, NodeReplica, Replica
+from lightning_dist.sim.run_state import RunState, SimulationResult
 
 
 def worker_loader(datamodule: L.LightningDataModule, num_workers: int, rank: int, seed: int) -> DataLoader:
@@ -59,21 +59,7 @@ def worker_loader(datamodule: L.LightningDataModule, num_workers: int, rank: int
     return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
 
 
-@dataclass
-class SimulationResult:
-    """What a run produced: global rows, per-worker rows and a summary (see :mod:`lightning_dist.sim.report`)."""
-
-    rows: list[dict[str, float]] = field(default_factory=list)
-    worker_rows: list[dict[str, float]] = field(default_factory=list)
-    waits: list[dict[str, float]] = field(default_factory=list)
-    """Every time a worker waited for the protocol: worker, step, virtual start and seconds waited."""
-    churn: list[dict[str, Any]] = field(default_factory=list)
-    """Every leave and join: worker, virtual time, event ("leave" or "join") and, for a join, the step it goes on
-    after (``position``)."""
-    summary: dict[str, Any] = field(default_factory=dict)
-
-
-class Simulation:
+class Simulation(RunState):
     """Simulate ``protocol`` on ``workers`` virtual workers of ``model`` trained on ``datamodule``.
 
     Args:
@@ -177,36 +163,6 @@ class Simulation:
         self.stop_when = stop_when
         self.seed = seed
         self.server = self.num_workers
-
-    # ------------------------------------------------------------------ helpers protocols use
-
-    def consensus(self, weights: Optional[Sequence[float]] = None) -> Tensor:
-        """The mean of the present workers' models (:meth:`worker_model`), weighted by ``weights`` (one per worker,
-        e.g. ``dataset_sizes``) if given; of all workers' models while none is present."""
-        workers = self.present_workers() or list(range(self.num_workers))
-        chosen = None if weights is None else [weights[rank] for rank in workers]
-        return weighted_average([self.worker_model(rank) for rank in workers], chosen)
-
-    def present_workers(self) -> list[int]:
-        """The workers present now (all of them without churn), ascending."""
-        return [rank for rank in range(self.num_workers) if self.present[rank]]
-
-    def worker_model(self, rank: int) -> Tensor:
-        """Worker ``rank``'s model as of now: without the training step it is still taking.
-
-        A step with a modelled duration changes the replica only when it ends (:meth:`Node.execute`);
-        a measured one changes it at its start, so its worker keeps the model from before the step
-        until the step's interval ends.
-        """
-        before = self._in_flight[rank]
-        return before if before is not None else self.replicas[rank].get()
-
-    def record_wait(self, rank: int, step: int, start: float) -> None:
-        """Record that worker ``rank`` waited for the protocol at step ``step`` from virtual time ``start``
-        until now (nothing if no time passed)."""
-        now = self.simulator.env.now
-        if now > start:
-            self.result.waits.append({"worker": rank, "step": step, "start": start, "seconds": now - start})
 
     # ------------------------------------------------------------------ the run
 

@@ -15,7 +15,7 @@ from lightning_dist.sim.replica import NonFiniteModelError, check_finite
 
 if TYPE_CHECKING:
     from lightning_dist.sim.engine import Node
-    from lightning_dist.sim.simulation import Simulation
+    from lightning_dist.sim.run_state import RunState
 
 Program = Generator[simpy.Event, Any, Any]
 
@@ -67,7 +67,7 @@ class Protocol(ABC):
     """With no server node of its own: the worker whose node also runs :meth:`server` (DownpourSGD's server
     thread on rank 0)."""
 
-    def setup(self, simulation: Simulation) -> None:
+    def setup(self, simulation: RunState) -> None:
         """Called once before the simulation starts, when replicas and the data are ready."""
         self.simulation = simulation
 
@@ -102,7 +102,7 @@ class Protocol(ABC):
 
         One optimizer step of the worker's own replica, its compute timed by ``execute``. A protocol
         that exchanges gradients rather than models (DDP) overrides it and records its waiting with
-        :meth:`Simulation.record_wait`.
+        :meth:`RunState.record_wait <lightning_dist.sim.run_state.RunState.record_wait>`.
         """
         return (yield from node.execute(self.simulation.replicas[rank].step, batch))
 
