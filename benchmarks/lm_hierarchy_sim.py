@@ -34,7 +34,6 @@ runs of a method and size already in the JSON are replaced, the others kept.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -146,17 +145,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--measured", type=Path, default=REPO / "benchmarks" / "results" / "lm_hierarchy.json")
-    parser.add_argument("--predict-only", action="store_true")
-    parser.add_argument("--scale-only", action="store_true")
-    parser.add_argument("--replot", action="store_true")
-    parser.add_argument("--methods", nargs="+", default=None, help="methods of part 1 (default: every measured one)")
+    parser = lm_sim.parts_parser(__doc__.split("\n\n")[0], "lm_hierarchy", SCALE_METHODS)
     parser.add_argument("--scale-nodes", type=int, nargs="+", default=SCALE_NODES)
     parser.add_argument("--scale-ranks-per-node", type=int, default=SCALE_RANKS_PER_NODE)
-    parser.add_argument("--scale-methods", nargs="+", default=SCALE_METHODS)
-    parser.add_argument("--scale-max-steps", type=int, default=lm_sim.SCALE_MAX_STEPS)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     json_path = args.out / f"{PREFIX}.json"
     if args.replot:

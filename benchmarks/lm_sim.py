@@ -382,19 +382,26 @@ def show(report: dict[str, Any], out: Path, prefix: str, scale_table: Callable[[
     print(f"wrote {out / f'{prefix}.json'} and {out / f'{prefix}.png'}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--measured", type=Path, default=REPO / "benchmarks" / "results" / "lm_network.json")
+def parts_parser(description: str, measured: str, scale_methods: list[str]) -> argparse.ArgumentParser:
+    """The arguments of a prediction-and-extension driver (this one, ``lm_hierarchy_sim.py``): the measured JSON
+    (``results/<measured>.json``), which part to run, part 1's methods and part 2's, its step cap and ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--measured", type=Path, default=REPO / "benchmarks" / "results" / f"{measured}.json")
     parser.add_argument("--predict-only", action="store_true")
     parser.add_argument("--scale-only", action="store_true")
     parser.add_argument("--replot", action="store_true")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="methods of part 1, whose cells replace theirs in the JSON (default: every measured one, anew)")
-    parser.add_argument("--scale-workers", type=int, nargs="+", default=SCALE_WORKERS)
-    parser.add_argument("--scale-methods", nargs="+", default=SCALE_METHODS)
-    parser.add_argument("--scale-mbit", type=float, default=None, help="bandwidth of part 2 (default: the headline)")
+    parser.add_argument("--scale-methods", nargs="+", default=scale_methods)
     parser.add_argument("--scale-max-steps", type=int, default=SCALE_MAX_STEPS)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = parts_parser(__doc__.split("\n\n")[0], "lm_network", SCALE_METHODS)
+    parser.add_argument("--scale-workers", type=int, nargs="+", default=SCALE_WORKERS)
+    parser.add_argument("--scale-mbit", type=float, default=None, help="bandwidth of part 2 (default: the headline)")
     args = parser.parse_args(argv)
     args.command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
     json_path = args.out / f"{PREFIX}.json"
