@@ -18,7 +18,7 @@ test: $(READY)
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(READY)
-	$(VENV)/bin/python benchmarks/averaging.py
+	$(VENV)/bin/python -m benchmarks.averaging.run
 
 # The documentation site (mkdocs.yml, docs/) into site/, warnings as errors; docs-serve: live at http://127.0.0.1:8000.
 docs: $(READY)

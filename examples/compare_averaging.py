@@ -4,7 +4,7 @@
 
 Each strategy is one real multi-process Lightning fit, launched with torchrun over Gloo; the
 script prints final validation accuracy and the bytes each strategy sent. The benchmark in
-``benchmarks/averaging.py`` is the full study (8 ranks, several periods and thresholds).
+``benchmarks/averaging/run.py`` is the full study (8 ranks, several periods and thresholds).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the workers' mean drift over the shortest period, at most 100 steps, whose synch
 quarter of its computing: 100 steps at 20 Mbit/s). Training is real; time is virtual. It is the
 headline cell of the measured language-model benchmark, replayed by the simulator: the model, data,
 DDP, target loss, compute time per step and network come from ``benchmarks/results/lm_network.json``
-(4 real ranks on a capped network), and ``benchmarks/lm_sim.py`` runs it (its ``simulate``), so what is
+(4 real ranks on a capped network), and ``benchmarks/language_model/simulated.py`` runs it (its ``simulate``), so what is
 printed here is what that script predicts and docs/results/language-model-simulated.md sets against the measurement. Each method
 trains until its averaged model's validation loss reaches the target; the script prints the virtual
 seconds and steps to it, the bytes sent and the speed-up, and writes a plot of loss against virtual time.
@@ -38,8 +38,8 @@ from lightning_dist.data import StdlibTextDataModule
 from lightning_dist.sim.numerics import pin_cpu_kernels
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from lm_sim import measured_ceiling_mbit, measured_step_s, simulate  # noqa: E402  (the benchmark's simulation)
+sys.path.insert(0, str(REPO))  # run as a script: the benchmarks importable
+from benchmarks.language_model.simulated import measured_ceiling_mbit, measured_step_s, simulate  # noqa: E402
 
 MEASURED = REPO / "benchmarks" / "results" / "lm_network.json"
 # What a user gets from strategy="dynamic_avg": no threshold, no calibration run (the simulator measures it as the

@@ -1,6 +1,6 @@
 """What DDP's gradient-compression hooks hand every rank, computed in one process for the simulator.
 
-The baselines a DDP user turns on first on a slow network (``benchmarks/_ddp_hooks.py`` runs the
+The baselines a DDP user turns on first on a slow network (``benchmarks/language_model/ddp_hooks.py`` runs the
 real hooks of ``torch.distributed.algorithms.ddp_comm_hooks``); the simulator needs their math and
 bytes for workers that all live in one process:
 

@@ -229,7 +229,7 @@ class Communicator:
         # Receives first: Gloo sends a payload only once the peer has announced the matching receive, on the
         # same connection as the payloads. Posted after the sends, a rank's announcement queued behind its own
         # payload, so the two directions of a pair ran one after the other (measured: 1.85x the time of an
-        # all-reduce among the same ranks at 20 Mbit/s, benchmarks/balancing_sync.py).
+        # all-reduce among the same ranks at 20 Mbit/s, benchmarks/balancing_sync/run.py).
         operations = [dist.P2POp(dist.irecv, wire, self.global_rank(src), group=self.group)
                       for (_, wire), (_, src) in zip(staged, receives)]
         operations += [dist.P2POp(dist.isend, self._to_wire(tensor), self.global_rank(dst), group=self.group)

@@ -11,7 +11,7 @@ Paper 002 caps bandwidth per node (100 Mbit/s) and per link (10 Mbit/s): a node 
 (at least 1) serial lanes; each transfer runs at ``min(node, link)`` on one lane. Without a link
 cap a port has one lane at node speed (paper 001's serialized model); without a node cap the
 links are the only limit. ``half_duplex_links`` makes the two directions of a link share it,
-which is what Gloo does between a pair of processes (measured in ``benchmarks/segmented_gossip.py``).
+which is what Gloo does between a pair of processes (measured in ``benchmarks/segmented_gossip/run.py``).
 
 Pending transfers are scanned in the order they were posted and each starts as soon as its
 sender, link and receiver are all free, the scan-and-notify of paper 001's Sender Walker: a busy

@@ -9,7 +9,7 @@ Execution order: each phase is one :meth:`Communicator.exchange` of all its piec
 sends to and receives from the ``|B| - 1`` others at once, receives posted first). The ring order
 of a ring reduce-scatter / all-gather, ``|B| - 1`` steps per phase in which every member sends one
 piece and receives one, moves the same bytes but was no faster on the capped network of
-``benchmarks/balancing_sync.py`` (4 ranks, 20 Mbit/s per node, same passes): sets of 3 and 4 took
+``benchmarks/balancing_sync/run.py`` (4 ranks, 20 Mbit/s per node, same passes): sets of 3 and 4 took
 1.24 and 1.40 times the members' all-reduce in steps against 1.23 and 1.19 in one batch, and 1.29
 and 1.62 against 1.12 and 1.15 with every step's receives posted at the phase's start. Each step
 waits for its slowest pair and starts its flows on connections idle since the previous phase, so a

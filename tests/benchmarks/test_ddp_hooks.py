@@ -1,14 +1,10 @@
 """The DDP baselines of the benchmarks really compress on the CPU, where Lightning drops ``ddp_comm_hook``."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from helpers.launch import load_results, run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _ddp_hooks import ddp_with_hook  # noqa: E402  (benchmarks/ is scripts, not a package)
+from benchmarks.language_model.ddp_hooks import ddp_with_hook
 
 CASES = [
     {"name": "fp16", "hook": {"name": "fp16"}},

@@ -1,12 +1,8 @@
-"""The namespace network of ``benchmarks/netns.py`` really caps bandwidth and leaves no namespace behind."""
-
-import sys
-from pathlib import Path
+"""The namespace network of ``benchmarks/common/netns.py`` really caps bandwidth and leaves no namespace behind."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import netns  # noqa: E402  (benchmarks/ is scripts, not a package)
+from benchmarks.common import netns
 
 LINK_MBIT = 20.0
 NBYTES = 2_500_000  # 1 s at 20 Mbit/s

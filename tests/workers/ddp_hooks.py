@@ -1,4 +1,4 @@
-"""Worker: DDP with a gradient-compression hook on the CPU (``benchmarks/_ddp_hooks.py``), one fit per case.
+"""Worker: DDP with a gradient-compression hook on the CPU (``benchmarks/language_model/ddp_hooks.py``), one fit per case.
 
 Each case of ``spec["cases"]`` (``name``; ``hook``: keyword arguments of ``ddp_with_hook``, or ``lightning_fp16``:
 Lightning's own ``DDPStrategy(ddp_comm_hook=fp16_compress_hook)``) trains the digits MLP for 3 steps on 2 ranks and
@@ -19,8 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _ddp_hooks import ddp_with_hook  # noqa: E402  (benchmarks/ is scripts, not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a launched script: the repository importable
+from benchmarks.language_model.ddp_hooks import ddp_with_hook  # noqa: E402
 
 
 class Gradients(Callback):

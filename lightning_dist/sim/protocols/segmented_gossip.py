@@ -12,7 +12,7 @@ network model's per-link and per-node caps this is paper 002's setting.
 workers all-gather a 1-byte finiteness flag (``raise_if_non_finite``, a meeting of all workers).
 With the default, ``"server"`` (the papers' setting; gossip has no server), only the segments
 travel and models are checked in place. Gloo moves a pair's two directions one after the other:
-``NetworkModel(half_duplex_links=True)`` models that (measured in ``benchmarks/sim_paper002.py``).
+``NetworkModel(half_duplex_links=True)`` models that (measured in ``benchmarks/simulator/paper002.py``).
 
 Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`) follows paper 002's own rules
 (section 4.2). The shared plan no longer tells a provider whom to serve, so pulls become the
