@@ -46,6 +46,8 @@ from lightning_dist.algorithms.averaging import DISTANCE_CHUNK, squared_distance
 from lightning_dist.model_vector import ModelVector
 
 from benchmarks.common.paths import REPO, RESULTS
+from benchmarks.common.report import pyplot, save_figure, write_json
+
 VARIANTS = ("before", "after")
 
 
@@ -111,7 +113,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python -m benchmarks.averaging.check_memory" + (f" --params {args.params}" if args.params != 4_200_000 else ""),
               "distance_chunk": DISTANCE_CHUNK, "torch": torch.__version__, "rows": rows}
-    (args.out / "dynamic_check_memory.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out / "dynamic_check_memory.json", result)
     print("variant  parameters  peak extra MiB  bytes/parameter  seconds  distance")
     for row in rows:
         print(f"{row['variant']:<8} {row['parameters']:>10,}  {row['peak_extra_mib']:>14.1f}  "
@@ -120,10 +122,7 @@ def main() -> None:
 
 
 def _plot(rows: list[dict[str, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     names = [row["variant"] for row in rows]
@@ -132,8 +131,7 @@ def _plot(rows: list[dict[str, float]], path: Path) -> None:
     axes[1].bar(names, [row["seconds"] * 1000 for row in rows], color=["tab:red", "tab:green"])
     axes[1].set_ylabel("check time (ms)")
     figure.suptitle(f"dynamic averaging's local-condition check, {rows[0]['parameters']:,} float32 parameters, CPU")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path, dpi=120)
 
 
 if __name__ == "__main__":

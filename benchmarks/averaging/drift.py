@@ -10,6 +10,7 @@ from benchmarks.averaging.summary import (
     RATIO_DEFINITIONS, SCORE_EPOCHS, TARGET, _mean, by_setting, calibrations, compare, describe, kind, stream_score,
     table,
 )
+from benchmarks.common.report import pyplot, save_figure
 
 DRIFT_TITLE = "drifting digits stream (score: mean accuracy over all epochs)"
 
@@ -92,10 +93,7 @@ def plot_drift(results: list[dict[str, Any]], summary: dict[str, Any], path: Pat
     """Protocol MB per epoch (means over blocks of ``concept_window_epochs`` within each concept) and accuracy per
     epoch, means over seeds: the dynamic settings, the best periodic one and the cheapest periodic one within the
     target points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = by_setting(results)
     shown = [name for name, runs in groups.items() if kind(runs[0]) == "dynamic"]
@@ -131,6 +129,4 @@ def plot_drift(results: list[dict[str, Any]], summary: dict[str, Any], path: Pat
     world = ok[0]["world_size"] if ok else "?"
     top.set_title(f"Drifting stream (new labels every {summary['drift_epochs'][0]} epochs), digits, {world} ranks, "
                   "means over seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)

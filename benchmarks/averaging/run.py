@@ -56,6 +56,9 @@ from benchmarks.averaging.summary import (
 )
 from benchmarks.common.launch import RunFailed, launch
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+
+WORKER = Path(__file__).with_name("worker.py")
 
 # The task, the same for every strategy: scikit-learn digits (1797 images), 30 % held out for
 # validation (540 examples), the rest split iid over the ranks (157 each with 8 ranks, 16 steps per
@@ -156,7 +159,7 @@ def run_all(runs: list[dict[str, Any]], base: dict[str, Any], args: argparse.Nam
         spec = {**base, **run}
         print(f"[{index}/{len(runs)}] {spec['name']} ...", end=" ", flush=True)
         try:
-            result = launch(spec, args.ranks, args.out / "runs", timeout=args.timeout)
+            result = launch(spec, args.ranks, args.out / "runs", timeout=args.timeout, worker=WORKER)
         except RunFailed as exc:
             print("FAILED")
             print(exc, file=sys.stderr)
@@ -172,10 +175,7 @@ def run_all(runs: list[dict[str, Any]], base: dict[str, Any], args: argparse.Nam
 
 def plot_comparison(results: list[dict[str, Any]], path: Path, scorer: Callable[..., float] = score,
                     title: str = "digits") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = by_setting(results)
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -207,9 +207,7 @@ def plot_comparison(results: list[dict[str, Any]], path: Path, scorer: Callable[
     ax.set_title(f"{title}, {world} ranks:\naccuracy vs communication (marker = end of training)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 
@@ -231,14 +229,14 @@ def replot(out: Path) -> int:
     if comparison.exists():
         report = json.loads(comparison.read_text())
         report["summary"] = summarize(report["runs"], report["config"]["epochs"])
-        comparison.write_text(json.dumps(report, indent=1))
+        write_json(comparison, report)
         plot_comparison(report["runs"], out / "averaging.png")
         print(table(report["summary"]))
     if drift.exists():
         report = json.loads(drift.read_text())
         starts = [entry["epoch"] for entry in report["config"]["drift"]]
         report["summary"] = summarize_drift(report["runs"], starts, report["config"]["epochs"])
-        drift.write_text(json.dumps(report, indent=1))
+        write_json(drift, report)
         plot_drift(report["runs"], report["summary"], out / "drift.png")
         plot_comparison(report["runs"], out / "drift_tradeoff.png", stream_score, DRIFT_TITLE)
         print()
@@ -276,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return replot(args.out)
     started = time.perf_counter()
     failed = False
-    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    command = command_line(argv)
     environment = {"python": platform.python_version(), "machine": platform.machine(), "command": command}
     try:
         import torch, lightning  # noqa: E401
@@ -301,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             config["earlier"] = [*earlier["config"].get("earlier", []), earlier["config"].get("command")]
         summary = summarize(results, epochs)
         report = {"config": config, "summary": summary, "runs": results}
-        (args.out / "averaging.json").write_text(json.dumps(report, indent=1))
+        write_json(args.out / "averaging.json", report)
         plot_comparison(results, args.out / "averaging.png")
         print()
         for name, cal in summary.get("calibration", {}).items():
@@ -329,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"config": {**base, "ranks": args.ranks, "check_every": args.check_every, "drift": schedule,
                              **environment, "wall_s": time.perf_counter() - t0},
                   "summary": summary, "runs": results}
-        (args.out / "drift.json").write_text(json.dumps(report, indent=1))
+        write_json(args.out / "drift.json", report)
         if "error" not in summary:
             plot_drift(results, summary, args.out / "drift.png")
             plot_comparison(results, args.out / "drift_tradeoff.png", stream_score, DRIFT_TITLE)

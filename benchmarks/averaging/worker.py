@@ -35,6 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
+from benchmarks.common.report import write_json
 import lightning_dist
 from lightning_dist.data.datamodules import DigitsDataModule, MNIST1DDataModule
 from lightning_dist.models import MLPClassifier
@@ -184,7 +185,7 @@ def main() -> None:
         }
         if distances is not None:
             result["probe_distances"] = distances
-        Path(spec["out"]).write_text(json.dumps(result, indent=1))
+        write_json(Path(spec["out"]), result)
     # Tear the process groups down explicitly: leaving them to interpreter exit occasionally
     # aborted a rank with "terminate called without an active exception" after the result was written.
     dist.barrier()

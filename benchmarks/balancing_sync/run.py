@@ -74,6 +74,7 @@ from lightning_dist.strategies._subset_average import SubsetAverage, average_sub
 from benchmarks.common import netns
 from benchmarks.common.launch import RunFailed, launch_on_network
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import command_line, pyplot, save_figure, write_json
 
 PREFIX = "balancing_sync"
 RANKS = 4
@@ -293,10 +294,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = report["summary"]
     bandwidths = list(dict.fromkeys(row["node_mbit"] for row in rows))
@@ -325,9 +323,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         axis.grid(True, axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("Averaging a set of ranks on the capped network (4 ranks, one namespace each)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
@@ -355,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(json_path.read_text())
         report["summary"] = summarize(report)
-        json_path.write_text(json.dumps(report, indent=1))
+        write_json(json_path, report)
         print(table(report["summary"]))
         print("wrote", plot(report, args.out / f"{PREFIX}.png"))
         return 0
@@ -363,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     netns.require_network("balancing_sync.py")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    command = command_line(argv)
     report: dict[str, Any] = {"config": {
         "ranks": RANKS, "elements": args.elements, "model_bytes": args.elements * 4, "sets": args.sets,
         "bandwidths": args.bandwidths, "repetitions": args.repetitions, "designs": LABELS,
@@ -386,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "records_per_rank": raw["records_per_rank"]})
     report["config"]["wall_s"] = time.perf_counter() - started
     report["summary"] = summarize(report)
-    json_path.write_text(json.dumps(report, indent=1))
+    write_json(json_path, report)
     print(table(report["summary"]))
     print("wrote", json_path, plot(report, args.out / f"{PREFIX}.png"))
     print(f"total wall time {report['config']['wall_s']:.0f} s")

@@ -60,6 +60,8 @@ import torch
 from lightning_dist.algorithms.balancing import apply_positions, balance_epoch, parallel_herding_bound
 
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+
 PREFIX = "herding_bound"
 METHODS = ["D-RR", "ID-GraB", "CD-GraB"]
 NORMS = {"inf": float("inf"), "2": 2.0}
@@ -181,10 +183,7 @@ def table(report: dict[str, Any], norm: str) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import matplotlib.ticker
 
     config, results = report["config"], report["results"]
@@ -227,9 +226,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.axis("off")
     fig.suptitle(f"Parallel herding bound, {config['vectors']:,} unit {config['dim']}-d vectors, "
                  f"{config['seeds']} seeds (paper 003, Fig. 10)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -276,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    command = command_line(argv)
     report: dict[str, Any] = {
         "config": {
             "vectors": args.vectors, "dim": args.dim, "ranks": args.ranks, "rounds": args.rounds, "seeds": args.seeds,
@@ -288,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report.update(run(args))
     report["config"]["wall_s"] = time.perf_counter() - started
-    json_path.write_text(json.dumps(report, indent=1))
+    write_json(json_path, report)
     plot(report, png_path)
     print_report(report)
     print(f"\ntotal wall time {report['config']['wall_s']:.0f} s; results in {json_path} and {png_path}")

@@ -59,6 +59,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.common.report import write_json
 from lightning_dist import CDGraB, CDGraBSampler
 from lightning_dist.models import MLPClassifier
 
@@ -433,7 +434,7 @@ def main() -> None:
                        "peak_rss_before_fit_mib": [r["peak_rss_before_fit_mib"] for r in gathered]},
             "runs": runs,
         }
-        Path(spec["out"]).write_text(json.dumps(result, indent=1))
+        write_json(Path(spec["out"]), result)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -56,6 +56,7 @@ from typing import Any
 
 from benchmarks.common.launch import launch
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import pyplot, save_figure, write_json
 
 WORKER = Path(__file__).with_name("worker.py")
 TASK = {
@@ -170,10 +171,7 @@ def summarize(runs: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> dict[str
 
 
 def plot(runs: dict[str, dict[str, dict[int, dict[str, Any]]]], path: Path, ranks: dict[str, int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.8), squeeze=False)
@@ -193,9 +191,7 @@ def plot(runs: dict[str, dict[str, dict[int, dict[str, Any]]]], path: Path, rank
         ax.set_ylabel(f"server model's val. accuracy (mean of last {WINDOW_S:g} s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def show(summary: dict[str, dict[str, dict[str, Any]]], ranks: dict[str, int]) -> None:
@@ -260,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     curves = {section: {name: {seed: {key: result[key] for key in ("fit_s", "final_val_acc", "curve")}
                                for seed, result in by_seed.items()} for name, by_seed in configs.items()}
               for section, configs in runs.items()}
-    (args.out / "datagossip.json").write_text(
-        json.dumps({"setting": setting, "summary": summary, "runs": curves}, indent=1))
+    write_json(args.out / "datagossip.json", {"setting": setting, "summary": summary, "runs": curves})
     plot(runs, args.out / "datagossip.png", ranks)
     show(summary, ranks)
     return 0

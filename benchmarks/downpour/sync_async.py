@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.common.launch import launch
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import pyplot, save_figure, write_json
 
 WORKER = Path(__file__).with_name("worker.py")
 TASK = {
@@ -67,10 +68,7 @@ def summarize(results: dict[str, dict[str, Any]], target: float) -> dict[str, An
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for mode, color in (("sync", "tab:blue"), ("async", "tab:red")):
@@ -83,9 +81,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("validation accuracy of the server's model")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fit {results[mode]['fit_s']:.1f} s, final acc {results[mode]['final_val_acc']:.4f}", flush=True)
     summary = summarize(results, args.target_acc)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "downpour_sync_async.json").write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+    write_json(args.out / "downpour_sync_async.json", {"summary": summary, "runs": results})
     plot(results, args.out / "downpour_sync_async.png")
     print(json.dumps(summary, indent=1))
     return 0

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks.common.report import write_json
 from lightning_dist import DataGossip, DownpourSGDStrategy
 from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
@@ -170,7 +171,7 @@ def main() -> None:
             "final_val_acc": curve[-1]["val_acc"], "server": strategy.protocol_metrics(),
             "protocol_bytes": strategy.comm_stats.protocol_bytes,
         }
-        Path(spec["out"]).write_text(json.dumps(result, indent=1))
+        write_json(Path(spec["out"]), result)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from benchmarks.common.paths import REPO, RESULTS
+from benchmarks.common.report import pyplot, save_figure
+
 SCRIPT = REPO / "examples" / "elastic" / "kill_a_rank.py"
 PREFIX = "elastic_restart"
 CONFIG = REPO / "configs" / "dynamic_avg.yaml"
@@ -99,10 +101,7 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     failures = [run for run in runs if run["kill"] != "none"]
     labels = [f"{run['kill']} {run['world_size_before']}->{run['world_size_after']}\nseed {run['seed']}"
@@ -133,9 +132,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     accuracy.set_ylim(0, 1)
     accuracy.legend(fontsize=8, loc="lower right")
     accuracy.set_title("final model")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,7 @@ import torch
 
 from benchmarks.common.launch import RunFailed, launch
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import write_json
 
 SUBJECTS = ("dynamic_avg", "periodic_avg", "fedavg", "downpour_sgd", "segmented_gossip", "datagossip", "cdgrab")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -194,7 +195,7 @@ def main() -> int:
         "cells": cells,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(out, report)
     print(json.dumps({k: v for k, v in report.items() if k != "cells"} |
                      {"cells": [{k: c[k] for k in ("name", "ok", "seconds", "error")} for c in cells]}, indent=1))
     return 1 if report["failed"] else 0

@@ -35,6 +35,7 @@ from typing import Any
 from benchmarks.language_model import network as lm_network
 from benchmarks.common import netns
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import pyplot, save_figure, write_json
 
 PREFIX = "lm_hierarchy"
 NODES, RANKS_PER_NODE = 2, 2
@@ -85,10 +86,7 @@ def level_table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     summary, runs = report["summary"], lm_network.all_runs(report)
     target = summary["target_val_loss"]
@@ -120,10 +118,8 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     config = report["config"]
     fig.suptitle(f"TransformerLM, {config['nodes']} nodes x {config['ranks_per_node']} ranks, "
                  f"{'/'.join(f'{b:g}' for b in config['bandwidths'])} Mbit/s between nodes", fontsize=11)
-    fig.tight_layout()
     path = out / f"{PREFIX}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
@@ -154,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(json_path.read_text())
         report_summary(report, args.out)
-        json_path.write_text(json.dumps(report, indent=1))
+        write_json(json_path, report)
         return 0
     netns.require_network("lm_hierarchy.py")
     calibration = json.loads((MEASURED / f"{lm_network.PREFIX}_calibration.json").read_text())
@@ -168,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     report["config"]["wall_s"] = time.perf_counter() - started
     if lm_network.all_runs(report):
         report_summary(report, args.out)
-    json_path.write_text(json.dumps(report, indent=1))
+    write_json(json_path, report)
     print(f"total wall time {report['config']['wall_s']:.0f} s; results in {json_path}")
     return 1 if any("error" in launch for launch in report["launches"]) else 0
 

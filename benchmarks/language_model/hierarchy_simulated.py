@@ -42,15 +42,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.paths import REPO, RESULTS
+from benchmarks.common.report import command_line, pyplot, save_figure, write_json
 from benchmarks.language_model import network as lm_network
 from benchmarks.language_model import simulated as lm_sim
 from benchmarks.language_model.simulated import LATENCY_S, fmt
+from lightning_dist.sim import NetworkModel
+from lightning_dist.sim.network_model import ring_all_reduce_seconds
+from lightning_dist.sim.numerics import pin_cpu_kernels
 
-from lightning_dist.sim import NetworkModel  # noqa: E402
-from lightning_dist.sim.network_model import ring_all_reduce_seconds  # noqa: E402
-from lightning_dist.sim.numerics import pin_cpu_kernels  # noqa: E402
-
-from benchmarks.common.paths import REPO, RESULTS
 PREFIX = "lm_hierarchy_sim"
 SCALE_NODES = [32, 128]
 SCALE_RANKS_PER_NODE = 8
@@ -103,10 +103,7 @@ def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
     cells = [cell for cell in report.get("prediction", []) if cell["time_ratio"] is not None]
@@ -138,9 +135,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.grid(True, which="both", alpha=0.3)
     if runs:
         right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         intra_mbit = intra_node_mbit(measured, step_s)
         args.scale_mbit = calibration_mbit(measured)
         args.scale_workers = [nodes * args.scale_ranks_per_node for nodes in args.scale_nodes]
-        args.command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+        args.command = command_line(argv)
         report = json.loads(json_path.read_text()) if json_path.exists() and (args.predict_only or args.scale_only) else {}
         report["config"] = {"measured": str(args.measured.relative_to(REPO) if args.measured.is_relative_to(REPO)
                                             else args.measured),
@@ -173,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         lm_sim.run_parts(args, measured, report, step_s, ceiling_mbit, intra_mbit, measured["config"]["ranks_per_node"],
                          args.scale_ranks_per_node)
         args.out.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=1))
+        write_json(json_path, report)
     lm_sim.show(report, args.out, PREFIX, scale_table, plot)
     return 0
 

@@ -79,6 +79,7 @@ from typing import Any
 from benchmarks.common import netns
 from benchmarks.common.launch import RunFailed, launch_on_network
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import command_line, pyplot, save_figure, write_json
 
 WORKER = Path(__file__).with_name("worker.py")
 PREFIX = "lm_network"
@@ -172,7 +173,7 @@ def provenance(argv: list[str] | None) -> dict[str, Any]:
     import lightning
     import torch
 
-    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    command = command_line(argv)
     return {"command": command, "python": platform.python_version(), "torch": torch.__version__,
             "lightning": lightning.__version__, "date": time.strftime("%Y-%m-%d")}
 
@@ -352,10 +353,7 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     summary, runs = report["summary"], all_runs(report)
     target = summary["target_val_loss"]
@@ -380,10 +378,8 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     for axis in list(axes.flat)[len(bandwidths):]:
         axis.set_visible(False)
     fig.suptitle(f"TransformerLM on the Python stdlib: validation loss vs time (dotted: target {target:.3f})", fontsize=11)
-    fig.tight_layout()
     curves = out / f"{PREFIX}.png"
-    fig.savefig(curves, dpi=120)
-    plt.close(fig)
+    save_figure(fig, curves, dpi=120)
 
     fig, axis = plt.subplots(figsize=(8, 5))
     for name in names:
@@ -405,10 +401,8 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     axis.set_title("time to DDP's target loss against bandwidth (mean over seeds that reached it)", fontsize=10)
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
     bandwidth = out / f"{PREFIX}_bandwidth.png"
-    fig.savefig(bandwidth, dpi=120)
-    plt.close(fig)
+    save_figure(fig, bandwidth, dpi=120)
     return [curves, bandwidth]
 
 
@@ -439,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(json_path.read_text())
         report["summary"] = summarize(report)
-        json_path.write_text(json.dumps(report, indent=1))
+        write_json(json_path, report)
         print(table(report["summary"]))
         print("wrote", *plot(report, args.out))
         return 0
@@ -449,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration_path = args.out / f"{PREFIX}_calibration.json"
     if args.calibrate:
         calibration = calibrate(args)
-        calibration_path.write_text(json.dumps(calibration, indent=1))
+        write_json(calibration_path, calibration)
         print(f"wrote {calibration_path}")
         return 0
     if not calibration_path.exists():
@@ -476,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         report["summary"] = summarize(report)
         print(table(report["summary"]))
         print("wrote", *plot(report, args.out))
-    json_path.write_text(json.dumps(report, indent=1))
+    write_json(json_path, report)
     print(f"total wall time {report['config']['wall_s']:.0f} s; results in {json_path}")
     return 1 if failed else 0
 

@@ -65,6 +65,8 @@ from lightning_dist.sim.numerics import pin_cpu_kernels
 from lightning_dist.sim.protocols import Protocol, make_protocol
 
 from benchmarks.common.paths import REPO, RESULTS
+from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+
 PREFIX = "lm_sim"
 PAYLOAD_SHARE = 1448 / 1514
 LATENCY_S = 0.0002
@@ -298,10 +300,7 @@ def compared_times(cell: dict[str, Any]) -> tuple[float, float, bool] | None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right, far_right) = plt.subplots(1, 3, figsize=(19, 5))
     cells = [(cell, times) for cell in report.get("prediction", []) if (times := compared_times(cell))]
@@ -350,9 +349,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.set_title(f"extension at {mbit or 0:g} Mbit/s per node (weak scaling; 4 workers: part 1)", fontsize=10)
     far_right.set_ylabel("GB sent by all workers until the target")
     far_right.set_title("bytes to target (weak scaling)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def run_parts(args: argparse.Namespace, measured: dict[str, Any], report: dict[str, Any], step_s: float,
@@ -403,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-workers", type=int, nargs="+", default=SCALE_WORKERS)
     parser.add_argument("--scale-mbit", type=float, default=None, help="bandwidth of part 2 (default: the headline)")
     args = parser.parse_args(argv)
-    args.command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    args.command = command_line(argv)
     json_path = args.out / f"{PREFIX}.json"
     if args.replot:
         report = json.loads(json_path.read_text())
@@ -422,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step_s:.4f} s and ceiling {ceiling_mbit:.0f} Mbit/s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
         run_parts(args, measured, report, step_s, ceiling_mbit)
         args.out.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=1))
+        write_json(json_path, report)
     show(report, args.out, PREFIX, scale_table, plot)
     return 0
 

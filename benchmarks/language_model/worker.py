@@ -60,6 +60,7 @@ from lightning_dist.models import TransformerLM
 
 from benchmarks.language_model.ddp_hooks import ddp_with_hook
 from benchmarks.segmented_gossip.worker import comm_result, per_rank_step_s, time_protocol, trainer_kwargs
+from benchmarks.common.report import write_json
 
 INTERFACE_STATS = Path("/sys/class/net/eth0/statistics")
 
@@ -262,7 +263,7 @@ def main() -> None:
                   f"val_loss {result['final_val_loss']:.3f}", flush=True)
     if dist.get_rank() == 0:
         info = StdlibTextDataModule(**spec["data"]).corpus_info()
-        Path(spec["out"]).write_text(json.dumps({"runs": results, "corpus": info}, indent=1))
+        write_json(Path(spec["out"]), {"runs": results, "corpus": info})
     dist.barrier()
     dist.destroy_process_group()
 

@@ -53,6 +53,7 @@ from typing import Any
 from benchmarks.common import netns
 from benchmarks.common.launch import RunFailed, launch_on_network
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import command_line, pyplot, save_figure, write_json
 
 WORKER = Path(__file__).with_name("worker.py")
 PREFIX = "segmented_gossip"
@@ -294,10 +295,7 @@ def accuracy_table(part: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import matplotlib.ticker
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
@@ -349,9 +347,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                         f"accuracy vs time (dot: first >= {target:g})", fontsize=10)
         right.grid(True, alpha=0.3)
         right.legend(fontsize=8, loc="center right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 # ---------------------------------------------------------------- main
@@ -430,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             report["sync"]["summary"] = summarize_sync(report["sync"]["runs"])
         if report.get("accuracy") and "runs" in report["accuracy"]:
             report["accuracy"]["summary"] = summarize_accuracy(report["accuracy"]["runs"], report["config"])
-        json_path.write_text(json.dumps(report, indent=1))
+        write_json(json_path, report)
         plot(report, png_path)
         print_report(report)
         return 0
@@ -438,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     netns.require_network("segmented_gossip.py")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    command = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    command = command_line(argv)
     report: dict[str, Any] = {}
     if (args.sync_only or args.accuracy_only) and json_path.exists():
         report = json.loads(json_path.read_text())  # keep the other part
@@ -461,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             report[part] = {"error": str(exc)}
             failed = True
     report["config"]["wall_s"] = time.perf_counter() - started
-    json_path.write_text(json.dumps(report, indent=1))
+    write_json(json_path, report)
     ok = {key: value for key, value in report.items() if not (isinstance(value, dict) and "error" in value)}
     plot(ok, png_path)
     print_report(ok)

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from benchmarks.common.report import write_json
 import lightning_dist
 from lightning_dist.algorithms.segmented_gossip import transfers
 from lightning_dist.data.datamodules import DigitsDataModule
@@ -311,7 +312,7 @@ def main() -> None:
             results.append(result)
             print(f"[{spec['mode']}] {run['name']} done in {result['launch_part_s']:.1f} s", flush=True)
     if dist.get_rank() == 0:
-        Path(spec["out"]).write_text(json.dumps({"runs": results}, indent=1))
+        write_json(Path(spec["out"]), {"runs": results})
     dist.barrier()
     dist.destroy_process_group()
 

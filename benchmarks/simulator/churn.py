@@ -55,6 +55,8 @@ from lightning_dist.sim import (
 )
 
 from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import pyplot, save_figure
+
 PREFIX = "churn"
 
 WORKERS = 32
@@ -198,10 +200,7 @@ def print_table(lines: list[dict[str, Any]]) -> None:
 
 
 def plot(runs: list[dict[str, Any]], budget: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     grid = [budget * index / 200 for index in range(201)]
     fractions = sorted({run["fraction"] for run in runs})
@@ -226,9 +225,7 @@ def plot(runs: list[dict[str, Any]], budget: float, path: Path) -> None:
     figure.suptitle(f"{workers} workers, churning ones present {1 / (1 + LEAVE_RATE * MEAN_ABSENCE):.0%} of the time "
                     f"(mean stay {1 / LEAVE_RATE:g} s, absence {MEAN_ABSENCE:g} s); "
                     f"mean of {len({run['seed'] for run in runs})} seeds, range shaded")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.paths import REPO, RESULTS
+from benchmarks.common.report import pyplot, save_figure, write_json
 
 sys.path.insert(0, str(REPO / "tests"))  # the suite's launcher and its stand-in for a user's module
 from helpers.launch import load_results, run_ranks  # noqa: E402
@@ -81,10 +81,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(summary)
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -95,9 +92,7 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylabel(f"validation accuracy after {EPOCHS} epochs")
     ax.set_title(f"user CNN (BatchNorm, Dropout, Adam, StepLR), {RANKS} ranks: each launch (dots), mean (line)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"ranks": RANKS, "epochs": EPOCHS, "methods": {name: METHODS[name] for name in args.methods},
               "launches": launches, "summary": summary, "wall_s": time.perf_counter() - start,
               "date": time.strftime("%Y-%m-%d")}
-    (args.out / "user_cnn.json").write_text(json.dumps(report, indent=1))
+    write_json(args.out / "user_cnn.json", report)
     plot(summary, args.out / "user_cnn.png")
     print(table(summary))
     print(f"wrote {args.out / 'user_cnn.json'} and user_cnn.png in {report['wall_s']:.0f} s")

@@ -1,0 +1,41 @@
+"""What every study does with its results: record the command that made them, write the JSON, draw the PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """How this driver was started, as one would type it again: ``python -m benchmarks.<study>.<driver> ARGS``
+    (``argv``, default the process's arguments)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    program = ["-m", spec.name] if spec is not None else [str(Path(sys.argv[0]))]
+    return " ".join(["python", *program, *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_json(path: Path, report: Any) -> None:
+    """``report`` as indented JSON at ``path`` (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: figures go to files, no display is needed (imported on first use, so
+    that running a study without plotting does not pay for matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure: Any, path: Path, dpi: int = 120) -> None:
+    """Lay ``figure`` out, write it to ``path`` and free it."""
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    pyplot().close(figure)
