@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(json_path.read_text())
     else:
-        pin_cpu_kernels()
+        if not args.native_kernels:
+            pin_cpu_kernels()
         measured = json.loads(args.measured.read_text())
         network = json.loads((RESULTS / f"{lm_network.PREFIX}.json").read_text())
         step_s, ceiling_mbit = median_step_s(measured, hierarchical=False), lm_sim.measured_ceiling_mbit(network)

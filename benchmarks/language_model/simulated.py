@@ -112,7 +112,7 @@ def node_rate_mbit(node_mbit: float, ceiling_mbit: float) -> float:
 
 def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_mbit: float, ceiling_mbit: float,
              step_s: float, max_virtual_s: float | None, max_steps: int, target: float | None,
-             ranks_per_node: int = 1, intra_mbit: float | None = None) -> dict[str, Any]:
+             ranks_per_node: int = 1, intra_mbit: float | None = None, threads: int = 1) -> dict[str, Any]:
     """One simulated run of ``workers`` ranks, ``ranks_per_node`` to a machine (machines joined at ``node_mbit``, a
     machine's ranks at ``intra_mbit``; ``lightning_dist.sim.machines``); stops at ``max_virtual_s``, ``max_steps``
     or two evaluations after ``target``."""
@@ -129,7 +129,7 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
                              half_duplex_links=True),
         speed=SpeedModel(step_seconds=step_s, aggregate_seconds=0.0), max_virtual_seconds=max_virtual_s,
         eval_every=max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0,
-        ranks_per_node=ranks_per_node, hierarchy=hierarchy_of(method),
+        ranks_per_node=ranks_per_node, hierarchy=hierarchy_of(method), threads=threads,
         intra_node=None if intra_mbit is None else NetworkModel(latency=LATENCY_S, node_mbit=intra_mbit,
                                                                 half_duplex_links=True))
     started = time.perf_counter()
@@ -191,7 +191,7 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float, c
             continue
         max_steps = math.ceil(budget / step_s) + 1
         predicted = simulate(config, methods[row["name"]], ranks, row["node_mbit"], ceiling_mbit, step_s,
-                             budget, max_steps, None, ranks_per_node, intra_mbit)
+                             budget, max_steps, None, ranks_per_node, intra_mbit, args.threads)
         hit = next((r for r in predicted["rows"] if r["val_loss"] <= target), None)
         predicted.update(time_to_target_s=hit["time"] if hit else None, steps_to_target=hit["mean_steps"] if hit else None,
                          bytes_to_target=hit["bytes"] if hit else None)
@@ -223,7 +223,7 @@ def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float, cei
     for workers in args.scale_workers:
         for name in args.scale_methods:
             run = simulate(config, methods[name], workers, args.scale_mbit, ceiling_mbit, step_s, None,
-                           args.scale_max_steps, target, ranks_per_node, intra_mbit)
+                           args.scale_max_steps, target, ranks_per_node, intra_mbit, args.threads)
             run.update(command=args.command, date=time.strftime("%Y-%m-%d"))
             runs.append(run)
             print(f"  {workers:>4} workers {name:<17} {fmt(run['time_to_target_s'])} s to target "
@@ -391,6 +391,11 @@ def parts_parser(description: str, measured: str, scale_methods: list[str]) -> a
                         help="methods of part 1, whose cells replace theirs in the JSON (default: every measured one, anew)")
     parser.add_argument("--scale-methods", nargs="+", default=scale_methods)
     parser.add_argument("--scale-max-steps", type=int, default=SCALE_MAX_STEPS)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads while simulating (the figures' last bits depend on it)")
+    parser.add_argument("--native-kernels", action="store_true",
+                        help="run the CPU's own float32 kernels instead of pin_cpu_kernels()'s: about twice as fast, "
+                             "figures comparable only with runs on this kind of CPU (each run records its numerics)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser
 
@@ -405,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(json_path.read_text())
     else:
-        pin_cpu_kernels()
+        if not args.native_kernels:
+            pin_cpu_kernels()
         measured = json.loads(args.measured.read_text())
         args.scale_mbit = args.scale_mbit or measured["config"]["headline_mbit"]
         step_s, ceiling_mbit = measured_step_s(measured), measured_ceiling_mbit(measured)
