@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         print("wrote", plot(report, args.out / f"{PREFIX}.png"))
         return 0
 
-    netns.require_network("balancing_sync.py")
+    netns.require_network("benchmarks.balancing_sync.run")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     command = command_line(argv)

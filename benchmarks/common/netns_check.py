@@ -155,7 +155,7 @@ def main() -> None:
     if args.gloo_worker:
         gloo_worker(Path(args.gloo_worker[0]), int(args.gloo_worker[1]))
         return
-    netns.require_network("netns_check.py")
+    netns.require_network("benchmarks.common.netns_check")
     with netns.Network(nodes=NODES) as network:
         rows = [tcp_case(network, case, args.seconds) for case in CASES] + gloo_cases(network, args.seconds)
     print("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]")  # one case per line

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         report_summary(report, args.out)
         write_json(json_path, report)
         return 0
-    netns.require_network("lm_hierarchy.py")
+    netns.require_network("benchmarks.language_model.hierarchy")
     calibration = json.loads((MEASURED / f"{lm_network.PREFIX}_calibration.json").read_text())
     runs = lm_network.chosen(methods(calibration["thresholds"]), args.methods)
     started = time.perf_counter()

@@ -85,10 +85,16 @@ def intra_node_mbit(measured: dict[str, Any], step_s: float) -> float:
     return (unit - latency_s) / (extra - latency_s)
 
 
+def kernels(numerics: dict[str, Any]) -> str:
+    """Which float32 kernels a run had (``pinned``: :func:`~lightning_dist.sim.numerics.pin_cpu_kernels`; ``native``:
+    the CPU's own, ``--native-kernels``) and its threads: runs compare bit for bit only within one kind."""
+    return f"{'pinned' if numerics.get('mkl_cbwr') else 'native'}, {numerics['threads']}"
+
+
 def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
     """Time to target against DDP's (and the strongest DDP variant's) at each size."""
     lines = [f"| nodes x ranks | method | s to target at {mbit:g} Mbit/s | vs DDP | vs best DDP variant | steps to target "
-             "| inter-node MB to target | final loss | steps run |", "|" + "---|" * 9]
+             "| inter-node MB to target | final loss | steps run | kernels, threads |", "|" + "---|" * 10]
     for run in runs:
         same = [other for other in runs if other["workers"] == run["workers"] and other["name"].startswith("ddp")]
         ddp = next((other["time_to_target_s"] for other in same if other["name"] == "ddp"), None)
@@ -98,7 +104,7 @@ def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
             f"| {run['workers'] // run['ranks_per_node']} x {run['ranks_per_node']} | {run['name']} "
             f"| {fmt(run['time_to_target_s'])} | {fmt(lm_sim.ratio(ddp, run['time_to_target_s']), 1)} "
             f"| {fmt(lm_sim.ratio(best, run['time_to_target_s']), 2)} | {fmt(run['steps_to_target'], 0)} "
-            f"| {fmt(megabytes, 0)} | {run['final_val_loss']:.3f} | {run['steps']:.0f} |")
+            f"| {fmt(megabytes, 0)} | {run['final_val_loss']:.3f} | {run['steps']:.0f} | {kernels(run['numerics'])} |")
     return "\n".join(lines)
 
 

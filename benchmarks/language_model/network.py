@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         print("wrote", *plot(report, args.out))
         return 0
 
-    netns.require_network("lm_network.py")
+    netns.require_network("benchmarks.language_model.network")
     args.out.mkdir(parents=True, exist_ok=True)
     calibration_path = args.out / f"{PREFIX}_calibration.json"
     if args.calibrate:

@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         print_report(report)
         return 0
 
-    netns.require_network("segmented_gossip.py")
+    netns.require_network("benchmarks.segmented_gossip.run")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     command = command_line(argv)
