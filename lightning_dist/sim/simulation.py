@@ -41,7 +41,7 @@ from lightning_dist.sim.machines import Machines, check_machines
 from lightning_dist.sim.network_model import NetworkModel
 from lightning_dist.sim.numerics import intra_op_threads, numerics
 from lightning_dist.sim.protocols.base import Program, Protocol
-from lightning_dist.sim.replica import Evaluator, NodeReplica, Replica
+from lightning_dist.sim.replica import Evaluator, NodeReplica, Replica, SharedReplica
 from lightning_dist.sim.run_state import RunState, SimulationResult
 
 
@@ -57,6 +57,15 @@ def worker_loader(datamodule: L.LightningDataModule, num_workers: int, rank: int
     loader = datamodule.train_dataloader()
     sampler = DistributedSampler(loader.dataset, num_replicas=num_workers, rank=rank, seed=seed, drop_last=True)
     return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
+
+
+
+def _equal_lengths(loaders: list[DataLoader]) -> bool:
+    """Whether the loaders all have one known length (batches per epoch)."""
+    try:
+        return len({len(loader) for loader in loaders}) == 1
+    except TypeError:
+        return False
 
 
 class Simulation(RunState):
@@ -174,7 +183,7 @@ class Simulation(RunState):
         wall_start = time.perf_counter()
         torch.manual_seed(self.seed)
         self.datamodule.setup("fit")
-        self.replicas = [self._replica(worker) for worker in range(self.num_workers)]
+        self.replicas = self._replicas()
         self.dataset_sizes = self._dataset_sizes()
         self._in_flight: list[Optional[Tensor]] = [None] * self.num_workers
         self.present = [True] * self.num_workers
@@ -211,6 +220,21 @@ class Simulation(RunState):
             self._evaluate()
         self.result.summary = self._summary(virtual_seconds, time.perf_counter() - wall_start)
         return self.result
+
+    def _replicas(self) -> list[Replica]:
+        """Every worker's replica; under a protocol whose replicas stay identical (DDP's) and without churn, one
+        model and optimizer that all share (:class:`~lightning_dist.sim.replica.SharedReplica`)."""
+        if not (self.protocol.identical_replicas and self.hierarchy is None and self.churn is None):
+            return [self._replica(worker) for worker in range(self.num_workers)]
+        leader = self._replica(0)
+        loaders = [worker_loader(self.datamodule, self.num_ranks, worker, self.seed)
+                   for worker in range(1, self.num_workers)]
+        epoch_schedulers = any(interval == "epoch" for _, interval, _ in leader.schedulers)
+        if epoch_schedulers and not _equal_lengths([leader.loader, *loaders]):
+            # Epochs that end at different steps step each replica's epoch schedulers at different steps: the
+            # replicas' learning rates part, so they do not stay identical.
+            return [leader] + [Replica(self.model, loader) for loader in loaders]
+        return [leader] + [SharedReplica(leader, loader) for loader in loaders]
 
     def _replica(self, worker: int) -> Replica:
         """Worker ``worker``'s replica: rank ``worker``'s, or under a hierarchy the learner of machine ``worker``

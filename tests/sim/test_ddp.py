@@ -175,3 +175,54 @@ def test_bad_hook_arguments_are_named():
         DataParallel(hook="int8")
     with pytest.raises(ValueError, match="start_powerSGD_iter must be an integer >= 2"):
         DataParallel(hook="powersgd", start_powerSGD_iter=1)
+
+
+class EqualBatches(UnequalBatches):
+    """Every rank reads its 40 examples in batches of 4: its epochs end at the same steps as the others'."""
+
+    @staticmethod
+    def batch_size(rank):
+        return 4
+
+
+class ScheduledRegressor(Regressor):
+    """Adam with a decay per step and a halving per epoch: the state a shared optimizer must step once."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.learning_rate)
+        decay = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.99)
+        halving = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return [optimizer], [{"scheduler": decay, "interval": "step"}, {"scheduler": halving, "interval": "epoch"}]
+
+
+class IndependentReplicas(DataParallel):
+    """DDP with a replica of its own for every worker: what sharing one must reproduce bit for bit."""
+
+    identical_replicas = False
+
+
+def scheduled_run(protocol, data, steps=25):
+    torch.manual_seed(0)
+    sim = Simulation(ScheduledRegressor(), data, protocol, workers=WORKERS, max_steps=steps,
+                     network=NetworkModel(latency=0.002, node_mbit=8),
+                     speed=SpeedModel(step_seconds=0.05, aggregate_seconds=0.0), eval_every=5)
+    return sim, sim.run()
+
+
+def test_ddp_workers_share_one_model_and_train_bit_for_bit_as_replicas_of_their_own():
+    shared, shared_result = scheduled_run(DataParallel(), EqualBatches())
+    independent, independent_result = scheduled_run(IndependentReplicas(), EqualBatches())
+    assert all(replica.module is shared.replicas[0].module for replica in shared.replicas)
+    assert len({id(replica.module) for replica in independent.replicas}) == WORKERS
+    # 25 steps, 10 per epoch: 25 decays and two halvings (a worker's epoch ends when its next batch is drawn),
+    # each once, not once per worker.
+    assert shared.replicas[0].optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.99**25 / 4)
+    assert [row["val_loss"] for row in shared_result.rows] == [row["val_loss"] for row in independent_result.rows]
+    for replica, other in zip(shared.replicas, independent.replicas):
+        assert replica.steps == other.steps == 25
+        assert torch.equal(replica.get(), other.get())
+
+
+def test_epochs_that_end_at_different_steps_keep_a_replica_per_worker():
+    sim, _ = scheduled_run(DataParallel(), UnequalBatches(), steps=8)
+    assert len({id(replica.module) for replica in sim.replicas}) == WORKERS

@@ -63,6 +63,9 @@ class Protocol(ABC):
 
     name: str
     num_servers: int = 0
+    identical_replicas: bool = False
+    """Whether every worker's model and optimizer state are the same after every step (DDP's): then the workers
+    share one (:class:`~lightning_dist.sim.replica.SharedReplica`) unless workers leave and join."""
     server_on_worker: Optional[int] = None
     """With no server node of its own: the worker whose node also runs :meth:`server` (DownpourSGD's server
     thread on rank 0)."""

@@ -20,6 +20,10 @@ buckets add ``2 (N - 1)`` latencies per extra bucket and move the same bytes. Th
 update after the all-reduce is an ``execute`` of kind ``"update"``: inside a modelled
 ``step_seconds``, its own time when measured.
 
+The replicas being identical, the workers share one model and optimizer
+(:class:`~lightning_dist.sim.replica.SharedReplica`: one copy in memory, not N; its first worker to apply a step's
+mean takes the optimizer step), unless workers leave and join or epoch schedulers would step at different steps.
+
 DDP also broadcasts rank 0's buffers before every forward (``broadcast_buffers``); a module with
 floating-point buffers (BatchNorm) is refused rather than simulated without that broadcast.
 
@@ -61,6 +65,7 @@ class DataParallel(Protocol):
     """
 
     name = "ddp"
+    identical_replicas = True
     arguments = ("hook", "matrix_approximation_rank", "start_powerSGD_iter")
 
     def __init__(self, hook: str | None = None, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 2) -> None:
