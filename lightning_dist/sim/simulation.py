@@ -59,7 +59,6 @@ def worker_loader(datamodule: L.LightningDataModule, num_workers: int, rank: int
     return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
 
 
-
 def _equal_lengths(loaders: list[DataLoader]) -> bool:
     """Whether the loaders all have one known length (batches per epoch)."""
     try:
