@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import numbers
 from collections.abc import Mapping
 
 from torch.optim import Optimizer
@@ -18,16 +19,25 @@ from lightning_dist.algorithms.outer import OuterOptimizerFactory
 
 
 def check_count(name: str, value: object, minimum: int, maximum: int | None = None, meaning: str = "") -> int:
-    """An integer in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None).
+    """An integer (Python's or NumPy's) in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None).
 
     ``meaning`` is appended to the message as given, e.g. ``" (gossip needs a peer)"``.
     """
     # bool is an int subclass; True as a count is a bug, not a request for one.
-    out_of_range = isinstance(value, int) and (value < minimum or (maximum is not None and value > maximum))
-    if isinstance(value, bool) or not isinstance(value, int) or out_of_range:
+    integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not integer or value < minimum or (maximum is not None and value > maximum):  # type: ignore[operator]
         allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name} must be an integer {allowed}{meaning}; got {value!r}")
-    return value
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_number(name: str, value: object, minimum: float, strict: bool, meaning: str = "") -> float:
+    """A finite real number ``> minimum`` (``strict``) or ``>= minimum``; ``meaning`` as in :func:`check_count`."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not real or (value <= minimum if strict else value < minimum):  # type: ignore[operator]
+        bound = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite number {bound} {minimum:g}{meaning}; got {value!r}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def check_steps(name: str, value: object, meaning: str) -> int:

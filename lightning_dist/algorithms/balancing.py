@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_count
+
 
 def balance_signs_(running_sum: Tensor, differences: Tensor) -> Tensor:
     """Greedy signs for ``differences`` (``(k, d)``, in balancing order); updates ``running_sum`` in place.
@@ -144,8 +146,7 @@ class PairBalancer:
         device: torch.device | str = "cpu",
     ) -> None:
         for name, value, minimum in (("ranks", ranks, 1), ("examples_per_rank", examples_per_rank, 2), ("dim", dim, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+            check_count(name, value, minimum)
         if examples_per_rank % 2:
             raise ValueError(f"examples_per_rank must be even (examples are balanced in pairs); got {examples_per_rank}")
         self.ranks = ranks

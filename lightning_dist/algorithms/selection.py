@@ -34,6 +34,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_count
+
 SELECTORS: tuple[str, ...] = ("random", "hem", "spl", "active_bias")
 """Names accepted by :func:`select_records` (and ``DataGossip(selector=...)``)."""
 
@@ -64,9 +66,7 @@ class LossHistory:
     """
 
     def __init__(self, num_records: int) -> None:
-        if isinstance(num_records, bool) or not isinstance(num_records, int) or num_records < 1:
-            raise ValueError(f"num_records must be an integer >= 1; got {num_records!r}")
-        self.num_records = num_records
+        self.num_records = check_count("num_records", num_records, 1)
         self.latest = torch.full((num_records,), float("nan"), dtype=torch.float32)
         self.visits = torch.zeros(num_records, dtype=torch.int64)
         self.epochs_recorded = torch.zeros(num_records, dtype=torch.int64)

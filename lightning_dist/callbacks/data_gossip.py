@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
+from lightning_dist.algorithms.arguments import check_count, check_flag, check_number
 from lightning_dist.algorithms.selection import (
     SELECTORS,
     SPL_GROWTH,
@@ -191,17 +192,15 @@ class DataGossip(GossipExchanges, GossipCheckpoint, Callback):
         timeout: Optional[timedelta] = None,
     ) -> None:
         super().__init__()
-        self.records_per_exchange = _check_int("records_per_exchange", records_per_exchange, 1)
-        self.weave_every = _check_int("weave_every", weave_every, 1)
+        self.records_per_exchange = check_count("records_per_exchange", records_per_exchange, 1)
+        self.weave_every = check_count("weave_every", weave_every, 1)
         if selector not in SELECTORS:
             raise ValueError(f"selector must be one of {SELECTORS}; got {selector!r}")
         self.selector = selector
-        self.spl_threshold = _check_float("spl_threshold", spl_threshold, 0.0, strict=True)
-        self.spl_growth = _check_float("spl_growth", spl_growth, 1.0, strict=False)
-        if not isinstance(wait_for_exchange, bool):
-            raise ValueError(f"wait_for_exchange must be True or False; got {wait_for_exchange!r}")
-        self.wait_for_exchange = wait_for_exchange
-        self.seed = _check_int("seed", seed, 0)
+        self.spl_threshold = check_number("spl_threshold", spl_threshold, 0.0, strict=True)
+        self.spl_growth = check_number("spl_growth", spl_growth, 1.0, strict=False)
+        self.wait_for_exchange = check_flag("wait_for_exchange", wait_for_exchange)
+        self.seed = check_count("seed", seed, 0)
         self.timeout = check_timeout(timeout)
 
         # Checkpointed, per rank.
@@ -501,18 +500,3 @@ def _is_last_epoch(trainer: pl.Trainer) -> bool:
 
 def _rank_seed(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; True as a count is a bug, not a request for one.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return int(value)
-
-
-def _check_float(name: str, value: object, minimum: float, strict: bool) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)) and np.isfinite(value)
-    if not ok or (value <= minimum if strict else value < minimum):  # type: ignore[operator]
-        bound = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite number {bound} {minimum}; got {value!r}")
-    return float(value)  # type: ignore[arg-type]

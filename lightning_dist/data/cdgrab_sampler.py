@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
-from lightning_dist.data._checks import check_int
+from lightning_dist.algorithms.arguments import check_count
 
 ORDERS = ("balanced", "random")
 
@@ -64,14 +64,14 @@ class CDGraBSampler(DistributedSampler):
         seed: int = 0,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, seed=seed, drop_last=True)
-        batch_size = check_int("batch_size", batch_size, 2)
+        batch_size = check_count("batch_size", batch_size, 2)
         if batch_size % 2:
             raise ValueError(
                 f"batch_size must be even (CD-GraB balances consecutive examples of a batch in pairs); got {batch_size}"
             )
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
-        check_int("seed", seed, 0)
+        check_count("seed", seed, 0)
         self.batch_size = batch_size
         self.order = order
         global_batch = batch_size * self.num_replicas
@@ -115,7 +115,7 @@ class CDGraBSampler(DistributedSampler):
         With ``order="balanced"`` only epoch 0 is random; a later epoch without an installed order
         means no ``CDGraB`` callback decided it, which is an error rather than a silent D-RR run.
         """
-        epoch = check_int("epoch", epoch, 0)
+        epoch = check_count("epoch", epoch, 0)
         if epoch == self.epoch:
             return
         if self._next is not None and self._next[0] == epoch:
@@ -132,7 +132,7 @@ class CDGraBSampler(DistributedSampler):
 
     def install_next_order(self, epoch: int, permutation: Tensor) -> None:
         """Make ``permutation`` (positions into :attr:`local_indices`) the order of ``epoch`` from its ``set_epoch`` on."""
-        self._next = (check_int("epoch", epoch, 0), self._check_permutation(permutation))
+        self._next = (check_count("epoch", epoch, 0), self._check_permutation(permutation))
 
     def resume_at(self, epoch: int, permutation: Tensor, start: int) -> None:
         """Continue ``epoch`` in ``permutation`` after its first ``start`` examples (a mid-epoch resume).
@@ -141,9 +141,9 @@ class CDGraBSampler(DistributedSampler):
         Lightning expects of a loader that it resumes at batch ``start / batch_size``.
         """
         self.permutation = self._check_permutation(permutation)
-        self.epoch = check_int("epoch", epoch, 0)
+        self.epoch = check_count("epoch", epoch, 0)
         self._next = None
-        self._start = check_int("start", start, 0, self.num_samples)
+        self._start = check_count("start", start, 0, self.num_samples)
 
     def _check_permutation(self, permutation: Tensor) -> Tensor:
         permutation = torch.as_tensor(permutation, dtype=torch.int64).cpu()

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_dist.data._checks import check_int, check_positive_float, require_setup
+from lightning_dist.algorithms.arguments import check_count, check_number
+from lightning_dist.data._checks import require_setup
 from lightning_dist.data.cdgrab_sampler import ORDERS, CDGraBSampler
 from lightning_dist.data.partition import PARTITIONS
 from lightning_dist.data.sampler import RESHUFFLED, rank_sampler
@@ -93,12 +94,12 @@ class ArrayDataModule(L.LightningDataModule, ABC):
                     f"partition={partition!r}"
                 )
         self.example_order = example_order
-        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.batch_size = check_count("batch_size", batch_size, 1)
         if partition not in TRAIN_SPLITS:
             raise ValueError(f"partition must be one of {TRAIN_SPLITS}; got {partition!r}")
         self.partition = partition
-        self.dirichlet_alpha = check_positive_float("dirichlet_alpha", dirichlet_alpha)
-        self.seed = check_int("seed", seed, 0)
+        self.dirichlet_alpha = check_number("dirichlet_alpha", dirichlet_alpha, 0.0, strict=True)
+        self.seed = check_count("seed", seed, 0)
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
             raise ValueError(f"val_fraction must be a number with 0 < val_fraction < 1; got {val_fraction!r}")
         self.val_fraction = float(val_fraction)
@@ -231,7 +232,7 @@ class MNIST1DDataModule(ArrayDataModule):
         example_order: Optional[str] = None,
     ) -> None:
         super().__init__(batch_size, partition, dirichlet_alpha, seed, val_fraction, example_order)
-        self.num_samples = check_int("num_samples", num_samples, self.num_classes)
+        self.num_samples = check_count("num_samples", num_samples, self.num_classes)
         usable = self.num_samples // self.num_classes * self.num_classes
         num_train = int(usable * (1 - self.val_fraction))
         if not 0 < num_train < usable:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_dist.data._checks import check_int, check_positive_float
+from lightning_dist.algorithms.arguments import check_count, check_number
 
 PARTITIONS = ("iid", "class_sorted", "dirichlet", "contiguous")
 """Names accepted by :func:`make_partition`."""
@@ -44,9 +44,9 @@ def iid_partition(num_examples: int, num_parts: int, seed: int) -> list[np.ndarr
 
     Each part is returned in ascending index order.
     """
-    num_examples = check_int("num_examples", num_examples, 1)
-    num_parts = check_int("num_parts", num_parts, 1, num_examples)
-    seed = check_int("seed", seed, 0)
+    num_examples = check_count("num_examples", num_examples, 1)
+    num_parts = check_count("num_parts", num_parts, 1, num_examples)
+    seed = check_count("seed", seed, 0)
     permutation = np.random.default_rng(seed).permutation(num_examples).astype(np.int64)
     return [np.sort(part) for part in np.array_split(permutation, num_parts)]
 
@@ -56,8 +56,8 @@ def contiguous_partition(num_examples: int, num_parts: int) -> list[np.ndarray]:
 
     The first ``num_examples % num_parts`` parts hold one index more.
     """
-    num_examples = check_int("num_examples", num_examples, 1)
-    num_parts = check_int("num_parts", num_parts, 1, num_examples)
+    num_examples = check_count("num_examples", num_examples, 1)
+    num_parts = check_count("num_parts", num_parts, 1, num_examples)
     return np.array_split(np.arange(num_examples, dtype=np.int64), num_parts)
 
 
@@ -67,7 +67,7 @@ def class_sorted_partition(labels: ArrayLike, num_parts: int) -> list[np.ndarray
     Shard sizes differ by at most 1; within a shard, indices keep label order.
     """
     labels = _check_labels(labels)
-    num_parts = check_int("num_parts", num_parts, 1, len(labels))
+    num_parts = check_count("num_parts", num_parts, 1, len(labels))
     order = np.argsort(labels, kind="stable").astype(np.int64)
     return list(np.array_split(order, num_parts))
 
@@ -82,9 +82,9 @@ def dirichlet_partition(labels: ArrayLike, num_parts: int, alpha: float, seed: i
     Each part is returned in ascending index order.
     """
     labels = _check_labels(labels)
-    num_parts = check_int("num_parts", num_parts, 1, len(labels))
-    alpha = check_positive_float("alpha", alpha)
-    seed = check_int("seed", seed, 0)
+    num_parts = check_count("num_parts", num_parts, 1, len(labels))
+    alpha = check_number("alpha", alpha, 0.0, strict=True)
+    seed = check_count("seed", seed, 0)
 
     rng = np.random.default_rng(seed)
     class_indices = [np.flatnonzero(labels == c).astype(np.int64) for c in np.unique(labels)]

@@ -16,7 +16,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_dist.data._checks import check_int
+from lightning_dist.algorithms.arguments import check_count
 from lightning_dist.data.partition import make_partition
 
 RESHUFFLED = "reshuffled"
@@ -55,9 +55,9 @@ class PartitionSampler(DistributedSampler):
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        num_replicas = check_int("num_replicas", num_replicas, 1, len(dataset))
-        rank = check_int("rank", rank, 0, num_replicas - 1)
-        seed = check_int("seed", seed, 0)
+        num_replicas = check_count("num_replicas", num_replicas, 1, len(dataset))
+        rank = check_count("rank", rank, 0, num_replicas - 1)
+        seed = check_count("seed", seed, 0)
         labels = np.asarray(labels)
         if len(labels) != len(dataset):
             raise ValueError(f"labels must have one entry per example ({len(dataset)}); got {len(labels)}")
@@ -86,7 +86,7 @@ class PartitionSampler(DistributedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose shuffle (or, without shuffle, whose window of the part) to yield next."""
-        self.epoch = check_int("epoch", epoch, 0)
+        self.epoch = check_count("epoch", epoch, 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch}

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dist.data._checks import check_int, require_setup
+from lightning_dist.algorithms.arguments import check_count
+from lightning_dist.data._checks import require_setup
 from lightning_dist.data.sampler import RESHUFFLED, rank_sampler
 
 TEXT_SPLITS = ("contiguous", "iid", RESHUFFLED)
@@ -84,8 +85,8 @@ class StdlibTextDataModule(L.LightningDataModule):
         stdlib_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
-        self.block_size = check_int("block_size", block_size, 1)
-        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.block_size = check_count("block_size", block_size, 1)
+        self.batch_size = check_count("batch_size", batch_size, 1)
         if partition not in TEXT_SPLITS:
             raise ValueError(f"partition must be one of {TEXT_SPLITS}; got {partition!r}")
         self.partition = partition
@@ -95,9 +96,9 @@ class StdlibTextDataModule(L.LightningDataModule):
                 f"file is held out); got {val_fraction!r}"
             )
         self.val_fraction = float(val_fraction)
-        self.max_val_sequences = None if max_val_sequences is None else check_int("max_val_sequences",
-                                                                                  max_val_sequences, 1)
-        self.seed = check_int("seed", seed, 0)
+        self.max_val_sequences = (None if max_val_sequences is None
+                                  else check_count("max_val_sequences", max_val_sequences, 1))
+        self.seed = check_count("seed", seed, 0)
         self.stdlib_dir = Path(stdlib_dir if stdlib_dir is not None else sysconfig.get_paths()["stdlib"])
         self.save_hyperparameters()
         self.train_set: Optional[TextWindows] = None

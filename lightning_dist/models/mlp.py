@@ -11,6 +11,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_dist.algorithms.arguments import check_count, check_number
+
 
 class MLPClassifier(L.LightningModule):
     """Two hidden ReLU layers of ``hidden_size`` units, cross-entropy loss, SGD.
@@ -31,10 +33,8 @@ class MLPClassifier(L.LightningModule):
         super().__init__()
         for name, value, minimum in (("num_features", num_features, 1), ("num_classes", num_classes, 2),
                                      ("hidden_size", hidden_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-        if not learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0; got {learning_rate!r}")
+            check_count(name, value, minimum)
+        check_number("learning_rate", learning_rate, 0.0, strict=True)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must satisfy 0 <= momentum < 1; got {momentum!r}")
         self.save_hyperparameters()

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_dist.data._checks import check_int, check_positive_float
+from lightning_dist.algorithms.arguments import check_count, check_number
 
 
 class CausalSelfAttention(nn.Module):
@@ -104,21 +104,18 @@ class TransformerLM(L.LightningModule):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
                             ("n_head", n_head), ("n_embd", n_embd)):
-            check_int(name, value, 1)
+            check_count(name, value, 1)
         if n_embd % n_head != 0:
             raise ValueError(f"n_embd must be divisible by n_head (the heads split it); got n_embd={n_embd}, "
                              f"n_head={n_head}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout must be a number with 0 <= dropout < 1; got {dropout!r}")
-        check_positive_float("learning_rate", learning_rate)
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
-            math.isfinite(weight_decay) and weight_decay >= 0
-        ):
-            raise ValueError(f"weight_decay must be a finite number >= 0; got {weight_decay!r}")
+        check_number("learning_rate", learning_rate, 0.0, strict=True)
+        check_number("weight_decay", weight_decay, 0.0, strict=False)
         if (not isinstance(betas, (tuple, list)) or len(betas) != 2 or any(
                 isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1 for beta in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}")
-        check_int("warmup_steps", warmup_steps, 0)
+        check_count("warmup_steps", warmup_steps, 0)
         self.save_hyperparameters()
 
         self.token_embedding = nn.Embedding(vocab_size, n_embd)

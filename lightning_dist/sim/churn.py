@@ -28,24 +28,16 @@ state it left with belongs to a model it no longer holds) and its own part of th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
+from lightning_dist.algorithms.arguments import check_count, check_number
+
 Absence = tuple[float, Optional[float]]
 """``(leave, join)`` in virtual seconds; ``join`` None: the worker does not come back."""
-
-
-def _number(name: str, value: object, low: float, low_open: bool) -> float:
-    """A finite number above ``low`` (or at least ``low``), else a ValueError naming ``name`` and the range."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-        value <= low if low_open else value < low
-    ):
-        raise ValueError(f"{name} must be a finite number {'>' if low_open else '>='} {low:g}; got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -78,8 +70,7 @@ class Churn:
                 "churn needs either absences ({worker: [(leave, join), ...]}) or fraction with leave_rate "
                 f"(random churn), not both or neither; got absences={self.absences!r}, fraction={self.fraction!r}"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"churn.seed must be an integer >= 0; got {self.seed!r}")
+        object.__setattr__(self, "seed", check_count("churn.seed", self.seed, 0))
         if self.absences is not None:
             if self.leave_rate is not None or self.mean_absence is not None:
                 raise ValueError("churn.leave_rate and churn.mean_absence belong to random churn (fraction); "
@@ -93,9 +84,10 @@ class Churn:
         if self.leave_rate is None:
             raise ValueError("churn.leave_rate must be given with churn.fraction: a finite number > 0 "
                              "(leaves per virtual second of presence)")
-        object.__setattr__(self, "leave_rate", _number("churn.leave_rate", self.leave_rate, 0, True))
+        object.__setattr__(self, "leave_rate", check_number("churn.leave_rate", self.leave_rate, 0, strict=True))
         if self.mean_absence is not None:
-            object.__setattr__(self, "mean_absence", _number("churn.mean_absence", self.mean_absence, 0, True))
+            mean_absence = check_number("churn.mean_absence", self.mean_absence, 0, strict=True)
+            object.__setattr__(self, "mean_absence", mean_absence)
 
     @staticmethod
     def _checked_absences(absences: object) -> dict[int, list[Absence]]:
@@ -116,8 +108,8 @@ class Churn:
                     raise ValueError(f"{item} must be a (leave, join) pair of virtual seconds; got {pair!r}")
                 if checked[worker] and checked[worker][-1][1] is None:
                     raise ValueError(f"{name}: only the last absence may have join None (never back); got {pairs!r}")
-                leave = _number(f"{item} leave", pair[0], previous, index > 0)
-                join = None if pair[1] is None else _number(f"{item} join", pair[1], leave, True)
+                leave = check_number(f"{item} leave", pair[0], previous, strict=index > 0)
+                join = None if pair[1] is None else check_number(f"{item} join", pair[1], leave, strict=True)
                 checked[worker].append((leave, join))
                 previous = leave if join is None else join
         return checked

@@ -83,10 +83,10 @@ def test_a_data_loader_reads_whole_batches():
     "kwargs, message",
     [
         (dict(batch_size=3), "batch_size must be even"),
-        (dict(batch_size=1), "batch_size must be >= 2"),
+        (dict(batch_size=1), "batch_size must be an integer >= 2"),
         (dict(batch_size=4, order="sorted"), "order must be one of"),
         (dict(batch_size=40), "fewer than one step of batch_size=40 on each of 3 ranks"),
-        (dict(batch_size=4, seed=-1), "seed must be >= 0"),
+        (dict(batch_size=4, seed=-1), "seed must be an integer >= 0"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
