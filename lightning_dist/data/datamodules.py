@@ -18,20 +18,19 @@ import json
 import os
 import random
 import zipfile
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Optional
 
-import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_dist.algorithms.arguments import check_count, check_number
-from lightning_dist.data._checks import require_setup
+from lightning_dist.data._rank_loaders import RankLoaderDataModule, require_setup
 from lightning_dist.data.cdgrab_sampler import ORDERS, CDGraBSampler
 from lightning_dist.data.partition import PARTITIONS
 from lightning_dist.data.sampler import RESHUFFLED, rank_sampler
@@ -65,7 +64,7 @@ class PermutableLabelDataset(Dataset):
         return self.features[index], label
 
 
-class ArrayDataModule(L.LightningDataModule, ABC):
+class ArrayDataModule(RankLoaderDataModule):
     """Shared behaviour of the in-memory datamodules; subclasses only say how to load their arrays.
 
     Subclasses set ``num_features`` and ``num_classes`` as class attributes, so they are known
@@ -140,14 +139,8 @@ class ArrayDataModule(L.LightningDataModule, ABC):
             if dataset is not None:
                 dataset.permutation = self._label_permutation
 
-    def train_dataloader(self) -> DataLoader:
-        trainer = self.trainer
-        num_replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        return self.train_loader(num_replicas, rank)
-
     def train_loader(self, num_replicas: int, rank: int) -> DataLoader:
-        """The train loader of rank ``rank`` of ``num_replicas`` (``train_dataloader`` asks the Trainer;
-        the simulator asks for each of its virtual workers)."""
+        """The train loader of rank ``rank`` of ``num_replicas``."""
         train_set = require_setup(self, self.train_set)
         sampler: Sampler
         if self.example_order is not None:

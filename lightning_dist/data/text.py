@@ -15,14 +15,13 @@ import sysconfig
 from pathlib import Path
 from typing import Any, Optional
 
-import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dist.algorithms.arguments import check_count
-from lightning_dist.data._checks import require_setup
+from lightning_dist.data._rank_loaders import RankLoaderDataModule, require_setup
 from lightning_dist.data.sampler import RESHUFFLED, rank_sampler
 
 TEXT_SPLITS = ("contiguous", "iid", RESHUFFLED)
@@ -51,7 +50,7 @@ class TextWindows(Dataset):
         return window[:-1], window[1:]
 
 
-class StdlibTextDataModule(L.LightningDataModule):
+class StdlibTextDataModule(RankLoaderDataModule):
     """Next-byte prediction on the Python standard library's source (see the module docstring).
 
     - **Split by file**: with ``k = round(1 / val_fraction)``, the files at positions ``k - 1, 2k - 1,
@@ -186,14 +185,8 @@ class StdlibTextDataModule(L.LightningDataModule):
             corpus["val_text"], self._window_starts(len(corpus["val_text"]), self.max_val_sequences), self.block_size
         )
 
-    def train_dataloader(self) -> DataLoader:
-        trainer = self.trainer
-        num_replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        return self.train_loader(num_replicas, rank)
-
     def train_loader(self, num_replicas: int, rank: int) -> DataLoader:
-        """The train loader of rank ``rank`` of ``num_replicas`` (``train_dataloader`` asks the Trainer;
-        the simulator asks for each of its virtual workers)."""
+        """The train loader of rank ``rank`` of ``num_replicas``."""
         train_set = require_setup(self, self.train_set)
         # The window indices stand in for labels: contiguous and iid read only how many there are.
         sampler = rank_sampler(train_set, np.arange(len(train_set)), num_replicas, rank, self.partition, self.seed)
