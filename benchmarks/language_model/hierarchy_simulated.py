@@ -5,7 +5,7 @@
 each machine one interface to the others (the namespace's capped link), its ranks joined by a link of their own.
 Flat methods run every rank as a learner, the ranks of a machine sharing its interface; ``_node`` methods one
 learner per machine (DDP inside it: the mean of its ranks' gradients, their all-reduce over the intra link every
-step, an all-gather of what arrives). The methods, protocols and task are ``lm_sim.py``'s (``lm_sim.simulate``).
+step, an all-gather of what arrives). The methods, protocols and task are ``simulated``'s (``simulated.simulate``).
 
 Three constants of this machine come from the measured JSON, none from a time to target:
 
@@ -27,6 +27,7 @@ Usage::
     python -m benchmarks.language_model.hierarchy_simulated --predict-only
     python -m benchmarks.language_model.hierarchy_simulated --scale-only --scale-nodes 32 --scale-methods ddp dynamic_default_node
     python -m benchmarks.language_model.hierarchy_simulated --replot
+    python -m benchmarks.language_model.hierarchy_simulated --merge-from /tmp/exp/s128/lm_hierarchy_sim.json   # add a run's cells
 
 Writes ``lm_hierarchy_sim.json`` and ``lm_hierarchy_sim.png`` (``--out``, default ``benchmarks/results``); scale
 runs of a method and size already in the JSON are replaced, the others kept.
@@ -35,21 +36,18 @@ runs of a method and size already in the JSON are replaced, the others kept.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.paths import REPO, RESULTS
-from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+from benchmarks.common.paths import RESULTS
+from benchmarks.common.report import pyplot, save_figure
 from benchmarks.language_model import network as lm_network
 from benchmarks.language_model import simulated as lm_sim
 from benchmarks.language_model.simulated import LATENCY_S, fmt
 from lightning_dist.sim import NetworkModel
 from lightning_dist.sim.network_model import ring_all_reduce_seconds
-from lightning_dist.sim.numerics import pin_cpu_kernels
 
 PREFIX = "lm_hierarchy_sim"
 SCALE_NODES = [32, 128]
@@ -149,36 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-nodes", type=int, nargs="+", default=SCALE_NODES)
     parser.add_argument("--scale-ranks-per-node", type=int, default=SCALE_RANKS_PER_NODE)
     args = parser.parse_args(argv)
-    json_path = args.out / f"{PREFIX}.json"
-    if args.replot:
-        report = json.loads(json_path.read_text())
-    else:
-        if not args.native_kernels:
-            pin_cpu_kernels()
-        measured = json.loads(args.measured.read_text())
-        network = json.loads((RESULTS / f"{lm_network.PREFIX}.json").read_text())
-        step_s, ceiling_mbit = median_step_s(measured, hierarchical=False), lm_sim.measured_ceiling_mbit(network)
-        intra_mbit = intra_node_mbit(measured, step_s)
-        args.scale_mbit = calibration_mbit(measured)
-        args.scale_workers = [nodes * args.scale_ranks_per_node for nodes in args.scale_nodes]
-        args.command = command_line(argv)
-        report = json.loads(json_path.read_text()) if json_path.exists() and (args.predict_only or args.scale_only) else {}
-        report["config"] = {"measured": str(args.measured.relative_to(REPO) if args.measured.is_relative_to(REPO)
-                                            else args.measured),
-                            "step_s": step_s, "intra_mbit": intra_mbit, "ceiling_mbit": ceiling_mbit,
-                            "latency_s": LATENCY_S, "target_val_loss": measured["summary"]["target_val_loss"],
-                            "scale_mbit": args.scale_mbit, "scale_max_steps": args.scale_max_steps,
-                            "python": platform.python_version(), "command": args.command,
-                            "date": time.strftime("%Y-%m-%d")}
-        print(f"step {step_s:.4f} s, intra-node {intra_mbit:.0f} Mbit/s, ceiling {ceiling_mbit:.0f} Mbit/s (measured); "
-              f"target loss {measured['summary']['target_val_loss']:.3f}")
-        lm_sim.run_parts(args, measured, report, step_s, ceiling_mbit, intra_mbit, measured["config"]["ranks_per_node"],
-                         args.scale_ranks_per_node)
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(json_path, report)
-    lm_sim.show(report, args.out, PREFIX, scale_table, plot)
-    return 0
+    args.scale_workers = [nodes * args.scale_ranks_per_node for nodes in args.scale_nodes]
 
+    def constants(measured: dict[str, Any]) -> dict[str, Any]:
+        network = json.loads((RESULTS / f"{lm_network.PREFIX}.json").read_text())
+        step_s = median_step_s(measured, hierarchical=False)
+        return {"step_s": step_s, "intra_mbit": intra_node_mbit(measured, step_s),
+                "ceiling_mbit": lm_sim.measured_ceiling_mbit(network), "scale_mbit": calibration_mbit(measured)}
+
+    return lm_sim.drive(args, argv, PREFIX, constants, args.scale_ranks_per_node, scale_table, plot)
 
 if __name__ == "__main__":
     sys.exit(main())

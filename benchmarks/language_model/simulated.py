@@ -29,9 +29,11 @@ until the target loss or ``--scale-max-steps`` steps per worker.
 Outputs (``--out``, default ``benchmarks/results``): ``lm_sim.json`` and ``lm_sim.png`` (predicted
 against measured seconds to target; time to target against workers).
 
-The figures replay bit for bit on any x86-64 CPU with AVX2, given the same torch and corpus: the
+The figures replay bit for bit on any x86-64 CPU with AVX2, given the same torch and corpus: by default the
 simulations train with 1 thread and ``main`` pins torch's CPU kernels
-(:func:`lightning_dist.sim.numerics.pin_cpu_kernels`); every run records what it had (``numerics``).
+(:func:`lightning_dist.sim.numerics.pin_cpu_kernels`). ``--threads`` and ``--native-kernels`` (the CPU's own
+kernels) run about 3x faster, with figures that compare bit for bit only with runs of that kind; every run records
+what it had (``numerics``).
 
 Usage::
 
@@ -39,6 +41,7 @@ Usage::
     python -m benchmarks.language_model.simulated --predict-only
     python -m benchmarks.language_model.simulated --scale-only --scale-workers 16 64
     python -m benchmarks.language_model.simulated --replot
+    python -m benchmarks.language_model.simulated --merge-from /tmp/run/lm_sim.json   # add another run's cells
 """
 
 from __future__ import annotations
@@ -380,13 +383,16 @@ def show(report: dict[str, Any], out: Path, prefix: str, scale_table: Callable[[
 
 
 def parts_parser(description: str, measured: str, scale_methods: list[str]) -> argparse.ArgumentParser:
-    """The arguments of a prediction-and-extension driver (this one, ``lm_hierarchy_sim.py``): the measured JSON
-    (``results/<measured>.json``), which part to run, part 1's methods and part 2's, its step cap and ``--out``."""
+    """The arguments of a prediction-and-extension driver (this one, ``hierarchy_simulated``): the measured JSON
+    (``results/<measured>.json``), which part to run, part 1's methods and part 2's, its step cap, numerics and
+    ``--out``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--measured", type=Path, default=RESULTS / f"{measured}.json")
     parser.add_argument("--predict-only", action="store_true")
     parser.add_argument("--scale-only", action="store_true")
     parser.add_argument("--replot", action="store_true")
+    parser.add_argument("--merge-from", type=Path, nargs="+", default=None,
+                        help="other runs' JSONs of this driver whose cells replace theirs in --out's, then redraw")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="methods of part 1, whose cells replace theirs in the JSON (default: every measured one, anew)")
     parser.add_argument("--scale-methods", nargs="+", default=scale_methods)
@@ -400,35 +406,62 @@ def parts_parser(description: str, measured: str, scale_methods: list[str]) -> a
     return parser
 
 
+def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
+          constants: Callable[[dict[str, Any]], dict[str, Any]], scale_ranks_per_node: int,
+          scale_table: Callable[[list[dict[str, Any]], float], str],
+          plot: Callable[[dict[str, Any], Path], None]) -> int:
+    """A prediction-and-extension driver's run into ``<out>/<prefix>.json`` and its plot.
+
+    ``--replot`` redraws the JSON; ``--merge-from`` adds other runs' JSONs of this driver (each with its own ``--out``,
+    say one per session) to it and redraws. Otherwise the parts run: ``constants(measured)`` gives the machine's
+    constants taken from the measured JSON (``step_s``, ``ceiling_mbit``, ``scale_mbit``, optionally
+    ``intra_mbit``), recorded in the config with what every run records. Part 1 runs on the measured machines (the
+    measured config's ``ranks_per_node``, else 1), part 2 on machines of ``scale_ranks_per_node``. A part run alone
+    keeps the other part of the JSON already there.
+    """
+    json_path = args.out / f"{prefix}.json"
+    if args.replot or args.merge_from:
+        report = json.loads(json_path.read_text())
+        for path in args.merge_from or []:
+            other = json.loads(path.read_text())
+            if other.get("scale"):
+                report["scale"] = merged_scale(report.get("scale", []), other["scale"])
+            if other.get("prediction"):
+                report["prediction"] = merged_prediction(report.get("prediction", []), other["prediction"])
+    else:
+        if not args.native_kernels:
+            pin_cpu_kernels()
+        measured = json.loads(args.measured.read_text())
+        config = constants(measured)
+        args.scale_mbit = config["scale_mbit"]
+        target = measured["summary"]["target_val_loss"]
+        args.command = command_line(argv)
+        report = json.loads(json_path.read_text()) if json_path.exists() and (args.predict_only or args.scale_only) else {}
+        report["config"] = {"measured": str(args.measured.relative_to(REPO) if args.measured.is_relative_to(REPO)
+                                            else args.measured),
+                            **config, "latency_s": LATENCY_S, "payload_share": PAYLOAD_SHARE, "target_val_loss": target,
+                            "scale_max_steps": args.scale_max_steps, "python": platform.python_version(),
+                            "command": args.command, "date": time.strftime("%Y-%m-%d")}
+        print(", ".join(f"{key} {value:g}" for key, value in config.items()) + f" (measured); target loss {target:.3f}")
+        run_parts(args, measured, report, config["step_s"], config["ceiling_mbit"], config.get("intra_mbit"),
+                  measured["config"].get("ranks_per_node", 1), scale_ranks_per_node)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(json_path, report)
+    show(report, args.out, prefix, scale_table, plot)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = parts_parser(__doc__.split("\n\n")[0], "lm_network", SCALE_METHODS)
     parser.add_argument("--scale-workers", type=int, nargs="+", default=SCALE_WORKERS)
     parser.add_argument("--scale-mbit", type=float, default=None, help="bandwidth of part 2 (default: the headline)")
     args = parser.parse_args(argv)
-    args.command = command_line(argv)
-    json_path = args.out / f"{PREFIX}.json"
-    if args.replot:
-        report = json.loads(json_path.read_text())
-    else:
-        if not args.native_kernels:
-            pin_cpu_kernels()
-        measured = json.loads(args.measured.read_text())
-        args.scale_mbit = args.scale_mbit or measured["config"]["headline_mbit"]
-        step_s, ceiling_mbit = measured_step_s(measured), measured_ceiling_mbit(measured)
-        report = json.loads(json_path.read_text()) if json_path.exists() and (args.predict_only or args.scale_only) else {}
-        report["config"] = {"measured": str(args.measured.relative_to(REPO) if args.measured.is_relative_to(REPO) else args.measured),
-                            "step_s": step_s, "ceiling_mbit": ceiling_mbit, "latency_s": LATENCY_S, "payload_share": PAYLOAD_SHARE,
-                            "target_val_loss": measured["summary"]["target_val_loss"], "scale_mbit": args.scale_mbit,
-                            "scale_max_steps": args.scale_max_steps, "python": platform.python_version(),
-                            "command": args.command,
-                            "date": time.strftime("%Y-%m-%d")}
-        print(f"step {step_s:.4f} s and ceiling {ceiling_mbit:.0f} Mbit/s (measured), target loss {measured['summary']['target_val_loss']:.3f}")
-        run_parts(args, measured, report, step_s, ceiling_mbit)
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(json_path, report)
-    show(report, args.out, PREFIX, scale_table, plot)
-    return 0
 
+    def constants(measured: dict[str, Any]) -> dict[str, Any]:
+        return {"step_s": measured_step_s(measured), "ceiling_mbit": measured_ceiling_mbit(measured),
+                "scale_mbit": args.scale_mbit or measured["config"]["headline_mbit"]}
+
+    return drive(args, argv, PREFIX, constants, 1, scale_table, plot)
 
 if __name__ == "__main__":
     sys.exit(main())
