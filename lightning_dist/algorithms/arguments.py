@@ -111,6 +111,15 @@ def check_compression(value: object) -> str | None:
                         "what a full synchronization sends: the model delta in that format, with error feedback")
 
 
+HIERARCHIES = ("node",)
+
+
+def check_hierarchy(value: object) -> str | None:
+    """``hierarchy``: None (every rank a learner) or ``"node"`` (one learner per node)."""
+    return check_option("hierarchy", value, HIERARCHIES,
+                        "None: every rank is a learner; 'node': DDP inside each node, the protocol between nodes")
+
+
 def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False; got {value!r}")

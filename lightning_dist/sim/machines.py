@@ -67,14 +67,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any, Optional
 
-from lightning_dist.algorithms.arguments import check_count
+from lightning_dist.algorithms.arguments import check_count, check_hierarchy
 from lightning_dist.sim.network_model import (
     NetworkModel,
     ring_all_gather_seconds,
     ring_all_reduce_seconds,
     ring_step_seconds,
 )
-from lightning_dist.strategies._hierarchy import check_hierarchy
 
 INTER, INTRA = "inter_node", "intra_node"
 

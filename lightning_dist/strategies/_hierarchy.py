@@ -29,20 +29,10 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dist.algorithms.arguments import check_option
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.comm import Communicator
 from lightning_dist.comm.nodes import NodeLayout, node_groups
-
-HIERARCHIES = ("node",)
-
-
-def check_hierarchy(value: object) -> str | None:
-    """``hierarchy``: None (every rank a learner) or ``"node"`` (one learner per node)."""
-    return check_option("hierarchy", value, HIERARCHIES,
-                        "None: every rank is a learner; 'node': DDP inside each node, the protocol between nodes")
-
 
 def _counted_allreduce(comm: Communicator, bucket):  # type: ignore[no-untyped-def]
     """DDP's default gradient all-reduce over the node group (a ``GradBucket`` in, a ``Future[Tensor]`` out), its

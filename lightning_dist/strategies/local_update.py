@@ -32,13 +32,13 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
-from lightning_dist.algorithms.arguments import check_compression
+from lightning_dist.algorithms.arguments import check_compression, check_hierarchy
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.comm import CommStats, Communicator, new_group, restart_scoped_store
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
 from lightning_dist.strategies._compressed_average import CompressedAverage
-from lightning_dist.strategies._hierarchy import NodeHierarchy, check_hierarchy
+from lightning_dist.strategies._hierarchy import NodeHierarchy
 
 
 class NonFiniteModelError(RuntimeError):
