@@ -21,7 +21,6 @@ def drift_schedule(epochs: int, every: int) -> list[dict[str, Any]]:
             for start in range(every, epochs, every)]
 
 
-
 def per_epoch_bytes(curve: list[dict[str, Any]]) -> list[int]:
     cumulative = [e["protocol_bytes"] for e in curve]
     return [b - a for a, b in zip([0] + cumulative[:-1], cumulative)]

@@ -94,7 +94,6 @@ DRIFT_PERIODS = [1, 5, 20, 50, 200]
 DRIFT_THRESHOLDS = [4.0, 16.0, 64.0]
 
 
-
 def sweep(periods: list[int], thresholds: list[float], args: argparse.Namespace, prefix: str = "",
           **extra: Any) -> list[dict[str, Any]]:
     """Periodic settings, FedAvg and dynamic settings, each once per seed; run names start with ``prefix`` and
@@ -210,14 +209,10 @@ def plot_comparison(results: list[dict[str, Any]], path: Path, scorer: Callable[
     save_figure(fig, path, dpi=130)
 
 
-
-
 def drift_runs(args: argparse.Namespace, schedule: list[dict[str, Any]]) -> list[dict[str, Any]]:
     periods = [10, 50] if args.quick else DRIFT_PERIODS
     thresholds = args.drift_thresholds or ([4.0, 64.0] if args.quick else DRIFT_THRESHOLDS)
     return sweep(periods, thresholds, args, prefix="drift_", drift=schedule)
-
-
 
 
 # ---------------------------------------------------------------- main

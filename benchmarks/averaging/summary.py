@@ -220,7 +220,6 @@ def table(summary: dict[str, Any], score_name: str = "acc last5") -> str:
     return "\n".join(lines)
 
 
-
 def report_target(summary: dict[str, Any]) -> None:
     if "target_met_by" in summary:
         met = summary["target_met_by"]

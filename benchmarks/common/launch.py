@@ -15,7 +15,6 @@ from typing import Any
 from benchmarks.common.paths import REPO
 
 
-
 class RunFailed(RuntimeError):
     """A torchrun launch exited non-zero, timed out, or wrote no result."""
 

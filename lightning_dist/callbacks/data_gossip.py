@@ -459,7 +459,6 @@ class DataGossip(GossipExchanges, GossipCheckpoint, Callback):
             trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
 
 
-
 # ---------------------------------------------------------------------------------------- helpers
 
 
