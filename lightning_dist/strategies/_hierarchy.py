@@ -7,11 +7,16 @@ identical and the node is one learner. A cross-node average then needs no reduce
 node first (every rank already holds the node's model): local rank ``j`` all-reduces chunk ``j`` of
 it with local rank ``j`` of every other node (its slice group), and the node all-gathers the chunks
 of the mean. Each rank's link carries ``1/L`` of the model (``L`` ranks per node), all ``L`` links at
-once: ``2 (N - 1) / N`` of ``1/L`` of the model sent per rank and exchange between ``N`` nodes, where
-a flat all-reduce over ``N L`` ranks sends ``2 (N L - 1) / (N L)`` of the whole model per rank, most
-of it across the slow links. A leader per node (one rank exchanging the whole model for its node while
-the others wait) would move the same bytes through one rank's link, ``L`` times slower where each GPU
-has its own network path (multi-rail nodes), and gains nothing where they share one NIC.
+once: ``2 (N - 1) / N`` of ``1/L`` of the model sent per rank and exchange between ``N`` nodes, ``2 (N - 1) /
+N`` models out of each node. A flat ring all-reduce over the ``N L`` ranks, placed node by node (Gloo's ring
+runs ``rank -> rank - 1``), has one edge leaving each node: ``2 (N L - 1) / (N L)`` models out of each node,
+in ``2 (N L - 1)`` steps, so at most twice the bytes (``N = 2``), about the same for many nodes, and ``L``
+times the latencies. What one learner per node changes for an all-reduce is the learners: ``N`` of them
+instead of ``N L``, each training on its node's ``L`` batches. Protocols that send whole models per learner
+(gossip's pulls, DownpourSGD's pushes, dynamic averaging's balancing of a few learners) move ``L`` times less
+through a node's interface. A leader per node (one rank exchanging the whole model for its node while the
+others wait) would move the same bytes through one rank's link, ``L`` times slower where each GPU has its own
+network path (multi-rail nodes), and gains nothing where they share one NIC.
 
 Bytes are counted in the strategy's counters and by level (:data:`lightning_dist.comm.stats.LEVELS`): the
 slice groups' ``inter_node``, the node groups' ``intra_node``, DDP's gradient all-reduce included (a comm hook that
