@@ -91,8 +91,9 @@ def kernels(numerics: dict[str, Any]) -> str:
 
 def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
     """Time to target against DDP's (and the strongest DDP variant's) at each size."""
-    lines = [f"| nodes x ranks | method | s to target at {mbit:g} Mbit/s | vs DDP | vs best DDP variant run at that size "
-             "| steps to target | inter-node MB to target | final loss | steps run | kernels, threads |", "|" + "---|" * 10]
+    lines = [f"| nodes x ranks | method | s to target at {mbit:g} Mbit/s | vs DDP "
+             "| vs best DDP variant run at that size | steps to target | inter-node MB to target | final loss "
+             "| steps run | kernels, threads |", "|" + "---|" * 10]
     for run in runs:
         same = [other for other in runs if other["workers"] == run["workers"] and other["name"].startswith("ddp")]
         ddp = next((other["time_to_target_s"] for other in same if other["name"] == "ddp"), None)
