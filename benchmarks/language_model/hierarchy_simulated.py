@@ -131,12 +131,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
         points = sorted((run["workers"], run["time_to_target_s"]) for run in runs
                         if run["name"] == name and run["time_to_target_s"])
         if points:
-            right.plot(*zip(*points), marker="o", label=name)
+            flat = not (name.endswith("_node") or name.startswith("ddp"))  # every rank a learner: dashed
+            right.plot(*zip(*points), marker="o", linestyle="--" if flat else "-", label=name)
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xlabel("ranks (GPUs), 8 to a node")
     right.set_ylabel("simulated seconds to target")
-    right.set_title(f"extension at {report['config'].get('scale_mbit', 0):g} Mbit/s between nodes", fontsize=10)
+    right.set_title(f"extension at {report['config'].get('scale_mbit', 0):g} Mbit/s between nodes (dashed: every "
+                    "rank a learner)", fontsize=10)
     right.grid(True, which="both", alpha=0.3)
     if runs:
         right.legend(fontsize=8)
