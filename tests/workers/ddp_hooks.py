@@ -52,6 +52,9 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     results = [fit(case) for case in spec["cases"]]
     torch.save(results, Path(spec["out"]) / f"rank{results[0]['rank']}.pt")
+    # Lightning leaves the process group up after fit; torn down at interpreter exit, Gloo's threads once aborted a
+    # rank ("terminate called without an active exception") after its results were written.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
