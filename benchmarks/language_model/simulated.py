@@ -463,5 +463,6 @@ def main(argv: list[str] | None = None) -> int:
 
     return drive(args, argv, PREFIX, constants, 1, scale_table, plot)
 
+
 if __name__ == "__main__":
     sys.exit(main())
