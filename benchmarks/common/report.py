@@ -1,11 +1,21 @@
-"""What every study does with its results: record the command that made them, write the JSON, draw the PNG."""
+"""What every study does with its results: check the names it is asked to run, record the command that made them,
+write the JSON, draw the PNG."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def check_names(option: str, names: Sequence[str], known: Sequence[str], source: str) -> None:
+    """Refuse the ``names`` given to ``option`` that ``source`` does not define, before any run: a misspelt name would
+    otherwise run nothing and keep the old results, silently."""
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"{option}: {', '.join(unknown)} not among the methods of {source}: {', '.join(known)}")
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -68,7 +68,7 @@ from lightning_dist.sim.numerics import pin_cpu_kernels
 from lightning_dist.sim.protocols import Protocol, make_protocol
 
 from benchmarks.common.paths import REPO, RESULTS
-from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+from benchmarks.common.report import check_names, command_line, pyplot, save_figure, write_json
 
 PREFIX = "lm_sim"
 PAYLOAD_SHARE = 1448 / 1514
@@ -406,6 +406,13 @@ def parts_parser(description: str, measured: str, scale_methods: list[str]) -> a
     return parser
 
 
+def check_method_names(args: argparse.Namespace, measured: dict[str, Any]) -> None:
+    """Refuse ``--methods`` / ``--scale-methods`` names that the measured JSON does not define."""
+    known = [method["name"] for method in measured["config"]["methods"]]
+    check_names("--methods", args.methods or [], known, str(args.measured))
+    check_names("--scale-methods", args.scale_methods, known, str(args.measured))
+
+
 def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
           constants: Callable[[dict[str, Any]], dict[str, Any]], scale_ranks_per_node: int,
           scale_table: Callable[[list[dict[str, Any]], float], str],
@@ -432,6 +439,7 @@ def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
         if not args.native_kernels:
             pin_cpu_kernels()
         measured = json.loads(args.measured.read_text())
+        check_method_names(args, measured)
         config = constants(measured)
         args.scale_mbit = config["scale_mbit"]
         target = measured["summary"]["target_val_loss"]

@@ -1,6 +1,12 @@
-"""Simulated LM runs split over sessions (``--out`` each, then ``--merge-from``) add up to one report."""
+"""Simulated LM runs split over sessions (``--out`` each, then ``--merge-from``) add up to one report; the LM studies
+refuse method names they do not define."""
 
-from benchmarks.language_model.simulated import merged_prediction, merged_scale
+import argparse
+
+import pytest
+
+from benchmarks.language_model.network import chosen
+from benchmarks.language_model.simulated import check_method_names, merged_prediction, merged_scale
 
 
 def run(name, workers, seconds):
@@ -21,3 +27,23 @@ def test_a_merged_prediction_replaces_its_cell_in_place_and_appends_new_ones():
     new = [{"name": "periodic_h50", "node_mbit": 20, "p": 3}, {"name": "ddp", "node_mbit": 100, "p": 4}]
     assert [cell["p"] for cell in merged_prediction(kept, new)] == [1, 3, 4]
     assert merged_prediction(kept, []) == kept
+
+
+def test_a_method_the_measured_run_does_not_define_is_refused_by_option_before_any_run():
+    measured = {"config": {"methods": [{"name": "ddp"}, {"name": "periodic_h50_node"}]}}
+    args = argparse.Namespace(methods=None, scale_methods=["ddp", "periodic_h50_nodes"], measured="m.json")
+    with pytest.raises(SystemExit, match="--scale-methods: periodic_h50_nodes not among the methods of m.json: ddp, "):
+        check_method_names(args, measured)
+    args = argparse.Namespace(methods=["dpp"], scale_methods=["ddp"], measured="m.json")
+    with pytest.raises(SystemExit, match="--methods: dpp not among"):
+        check_method_names(args, measured)
+    check_method_names(argparse.Namespace(methods=["ddp"], scale_methods=["periodic_h50_node"], measured="m.json"),
+                       measured)
+
+
+def test_a_measured_study_refuses_a_method_it_does_not_define_and_keeps_the_order_of_its_own():
+    runs = [{"name": "ddp"}, {"name": "dynamic_hi"}, {"name": "diloco"}]
+    assert [run["name"] for run in chosen(runs, ["diloco", "ddp"])] == ["ddp", "diloco"]
+    assert chosen(runs, None) == runs
+    with pytest.raises(SystemExit, match="--methods: dynamic_high not among the methods of this study: ddp, dynamic_hi"):
+        chosen(runs, ["dynamic_high"])
