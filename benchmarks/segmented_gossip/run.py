@@ -81,6 +81,7 @@ TARGET = 0.95  # the headline target: near convergence (final accuracy about 0.9
 PAPER_SPEEDUP = 2.0  # paper 002: segmented gossip reaches the target at least ~2x faster than FedAvg
 FEDAVG_FRACTION = 0.5
 MASTER_PORT = 29610
+METHOD_NAMES = ["ddp", "periodic", "fedavg", "gossip", "segmented"]  # those of ``methods``
 
 
 def methods(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-rounds", type=int, default=None, help=f"rounds per S (default {SYNC_ROUNDS})")
     parser.add_argument("--replicas", type=int, default=REPLICAS, help=f"R of every gossip run (default {REPLICAS})")
     parser.add_argument("--ranks", type=int, default=None, help=f"ranks of part 2 (default {RANKS})")
-    parser.add_argument("--methods", nargs="+", default=["ddp", "periodic", "fedavg", "gossip", "segmented"])
+    parser.add_argument("--methods", nargs="+", choices=METHOD_NAMES, default=METHOD_NAMES)
     parser.add_argument("--gossip-segments", type=int, default=10, help="S of the segmented gossip run of part 2")
     parser.add_argument("--period", type=int, default=PERIOD, help="tau of the averaging and gossip runs")
     parser.add_argument("--budget", type=float, default=None,
