@@ -18,6 +18,13 @@ def check_names(option: str, names: Sequence[str], known: Sequence[str], source:
         raise SystemExit(f"{option}: {', '.join(unknown)} not among the methods of {source}: {', '.join(known)}")
 
 
+def chosen(runs: list[dict[str, Any]], names: Sequence[str] | None) -> list[dict[str, Any]]:
+    """A study's ``runs`` named in ``--methods`` (``names``; all of them when None), in the study's order; a name that
+    is none of theirs is refused (:func:`check_names`)."""
+    check_names("--methods", names or [], [run["name"] for run in runs], "this study")
+    return list(runs) if not names else [run for run in runs if run["name"] in names]
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """How this driver was started, as one would type it again: ``python -m benchmarks.<study>.<driver> ARGS``
     (``argv``, default the process's arguments)."""

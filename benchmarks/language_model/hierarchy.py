@@ -35,7 +35,7 @@ from typing import Any
 from benchmarks.language_model import network as lm_network
 from benchmarks.common import netns
 from benchmarks.common.paths import RESULTS
-from benchmarks.common.report import pyplot, save_figure, write_json
+from benchmarks.common.report import chosen, pyplot, save_figure, write_json
 
 PREFIX = "lm_hierarchy"
 NODES, RANKS_PER_NODE = 2, 2
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     netns.require_network("benchmarks.language_model.hierarchy")
     calibration = json.loads((MEASURED / f"{lm_network.PREFIX}_calibration.json").read_text())
-    runs = lm_network.chosen(methods(calibration["thresholds"]), args.methods)
+    runs = chosen(methods(calibration["thresholds"]), args.methods)
     started = time.perf_counter()
     report: dict[str, Any] = {"config": {
         **lm_network.TASK, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "bandwidths": args.bandwidths,

@@ -79,7 +79,7 @@ from typing import Any
 from benchmarks.common import netns
 from benchmarks.common.launch import RunFailed, launch_on_network
 from benchmarks.common.paths import RESULTS
-from benchmarks.common.report import check_names, command_line, pyplot, save_figure, write_json
+from benchmarks.common.report import chosen, command_line, pyplot, save_figure, write_json
 
 WORKER = Path(__file__).with_name("worker.py")
 PREFIX = "lm_network"
@@ -161,12 +161,6 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
          "label": f"dynamic averaging Delta={thresholds['hi']:.3g} + DiLoCo outer step",
          "strategy": dynamic(thresholds["hi"]), "outer": DILOCO_OUTER, "headline_only": True},
     ]
-
-
-def chosen(runs: list[dict[str, Any]], names: list[str] | None) -> list[dict[str, Any]]:
-    """The runs named in ``names`` (all of them when None); a name that is none of theirs is refused."""
-    check_names("--methods", names or [], [run["name"] for run in runs], "this study")
-    return runs if not names else [run for run in runs if run["name"] in names]
 
 
 def provenance(argv: list[str] | None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from benchmarks.language_model.network import chosen
+from benchmarks.common.report import chosen
 from benchmarks.language_model.simulated import check_method_names, merged_prediction, merged_scale
 
 
