@@ -27,7 +27,17 @@ synchronizations ``t`` (residuals start at 0), the applied updates telescope to 
 ``sum_t D(Q(u_t)) + mean_i e_i + s = sum_t mean_i (f_i,t - r_t)``
 
 with the final residuals ``e_i``, ``s`` (:func:`compressed_mean` is that definition in one
-process; the strategies run the same steps across ranks). Bytes per rank: the reduce-scatter and the
+process; the strategies run the same steps across ranks).
+
+Only the parameters are compressed. A model vector
+(:class:`~lightning_dist.model_vector.ModelVector`) holds the parameters, then the floating-point
+buffers (BatchNorm's running mean and variance): those are statistics, not sums of steps, and must
+stay valid values. An int8 block shares one scale, so a running variance of 1e-5 in a block with
+deltas of 1e-2 decodes to a multiple of ``1e-2 / 127`` (below zero as easily as above: NaN
+evaluation). The buffers are averaged exactly instead, in :func:`accumulation_dtype`
+(:func:`compressed_model_mean`): a mean of valid statistics, few bytes. The common model's
+parameters stay in the model's dtype too (float64 is not rounded to float32 at every
+synchronization): the update is decoded in float32 and added in the accumulation dtype. Bytes per rank: the reduce-scatter and the
 all-gather each send ``(m - 1) / m`` of the model in the codec's size, the pattern of a ring
 all-reduce: a quarter of its float32 bytes with int8 (plus 4 bytes per 1024 elements), half with bf16.
 """
@@ -40,6 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.subset_average import chunk_bounds
 
 CODECS = ("bf16", "int8")
@@ -95,6 +106,13 @@ def encoded_chunks_nbytes(num_elements: int, ranks: int, codec: str) -> int:
     return sum(encoded_nbytes(stop - start, codec) for start, stop in bounds)
 
 
+def compressed_sync_nbytes(num_parameters: int, num_buffers: int, ranks: int, codec: str, dtype: torch.dtype) -> int:
+    """The size a compressed full synchronization of ``ranks`` moves as a ring all-reduce would: the parameters'
+    encoded chunks, and the buffers in :func:`accumulation_dtype` of the model's ``dtype`` (averaged exactly)."""
+    element = torch.empty(0, dtype=accumulation_dtype(dtype)).element_size()
+    return encoded_chunks_nbytes(num_parameters, ranks, codec) + element * num_buffers
+
+
 def compress_chunks(
     update: Tensor, residual: Tensor, codec: str, bounds: Sequence[tuple[int, int]]
 ) -> tuple[list[Encoded], Tensor]:
@@ -132,3 +150,23 @@ def compressed_mean(
         applied.append(decode(pieces[0], codec))
         new_owner.append(residual)
     return torch.cat(applied), new_worker, new_owner
+
+
+def compressed_model_mean(
+    models: Sequence[Tensor], common: Tensor, num_parameters: int, worker_residuals: Sequence[Tensor],
+    owner_residuals: Sequence[Tensor], codec: str,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """A compressed full synchronization of whole model vectors in one process: the new common model, the same on
+    every rank, in the models' dtype.
+
+    The first ``num_parameters`` elements are parameters: ``common`` plus :func:`compressed_mean` of the models'
+    deltas from it (residuals as there, of the parameter part only), added in :func:`accumulation_dtype`. The rest
+    are buffers: their exact mean (module docstring: a quantized running variance can decode below zero).
+    """
+    dtype = accumulation_dtype(common.dtype)
+    anchor = common[:num_parameters].to(dtype)
+    deltas = [(model[:num_parameters].to(dtype) - anchor).to(torch.float32) for model in models]
+    applied, new_worker, new_owner = compressed_mean(deltas, worker_residuals, owner_residuals, codec)
+    buffers = sum(model[num_parameters:].to(dtype) for model in models) / len(models)
+    mean = torch.cat([anchor + applied.to(dtype), buffers])
+    return mean.to(common.dtype), new_worker, new_owner

@@ -10,8 +10,10 @@ inside an all-reduce (int8 overflows and every rank's scales differ), hence the 
 all-gather as two batches of pieces, the pattern of :mod:`lightning_dist.strategies._subset_average`
 and the bytes of a ring all-reduce in the codec's size.
 
-State per rank (in its checkpoint part): the common model, the rank's residual ``e_i`` (float32,
-the whole model: memory of one float32 model copy) and the residual ``s_j`` of the chunk it owns.
+Only the parameters are compressed; the buffers (BatchNorm's running statistics) are averaged exactly by an
+all-reduce, so a running variance never decodes below zero. State per rank (in its checkpoint part): the common
+model (in the model's dtype: float64 is not rounded to float32), the rank's residual ``e_i`` (float32, the
+parameters: memory of one float32 copy of them) and the residual ``s_j`` of the chunk it owns.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.compression import (
     Encoded,
     compress_chunks,
@@ -49,21 +52,25 @@ class CompressedAverage:
         self.hold(common)
         self.residual = self.owner_residual = None
 
-    def average(self, comm: Communicator, local: Tensor, purpose: str) -> Tensor:
+    def average(self, comm: Communicator, local: Tensor, num_parameters: int, purpose: str) -> Tensor:
         """The common model plus the compressed mean of all ranks' deltas, the same on every rank.
 
-        The caller has checked that every rank's ``local`` is finite (a non-finite delta would
-        turn a block's scale, and with it the mean, non-finite).
+        ``local``'s first ``num_parameters`` elements are parameters, compressed; the rest are buffers (BatchNorm's
+        statistics), averaged exactly by an all-reduce in the accumulation dtype: a quantized running variance can
+        decode below zero (:func:`~lightning_dist.algorithms.compression.compressed_model_mean`, this exchange's
+        definition). The caller has checked that every rank's ``local`` is finite (a non-finite delta would turn a
+        block's scale, and with it the mean, non-finite).
         """
         assert self.common is not None, "hold() the common model before the first synchronization"
+        dtype = accumulation_dtype(local.dtype)
         rank, ranks = comm.rank, list(range(comm.world_size))
-        bounds = chunk_bounds(local.numel(), ranks)
+        bounds = chunk_bounds(num_parameters, ranks)
         start, stop = bounds[rank]
         if self.residual is None or self.owner_residual is None:
-            self.residual = torch.zeros(local.numel(), dtype=torch.float32, device=local.device)
+            self.residual = torch.zeros(num_parameters, dtype=torch.float32, device=local.device)
             self.owner_residual = torch.zeros(stop - start, dtype=torch.float32, device=local.device)
-        common = self.common.to(torch.float32)
-        delta = local.to(torch.float32) - common
+        anchor = self.common[:num_parameters].to(dtype)
+        delta = (local[:num_parameters].to(dtype) - anchor).to(torch.float32)
         pieces, self.residual = compress_chunks(delta, self.residual, self.codec, list(bounds.values()))
         received = self._exchange(comm, {owner: pieces[owner] for owner in ranks if owner != rank},
                                   {source: bounds[rank] for source in ranks if source != rank}, purpose)
@@ -75,7 +82,10 @@ class CompressedAverage:
                                   {owner: bounds[owner] for owner in ranks if owner != rank}, purpose)
         gathered[rank] = mean_piece
         applied = torch.cat([decode(gathered[owner], self.codec) for owner in ranks])
-        return applied.add_(common).to(local.dtype)
+        buffers = local[num_parameters:].to(dtype, copy=True)
+        if buffers.numel():
+            comm.all_reduce_sum_(buffers, purpose).div_(comm.world_size)
+        return torch.cat([anchor + applied.to(dtype), buffers]).to(local.dtype)
 
     def _exchange(self, comm: Communicator, outgoing: dict[int, Encoded], incoming: dict[int, tuple[int, int]],
                   purpose: str) -> dict[int, Encoded]:

@@ -287,7 +287,8 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             return self.average_all(purpose)
         local = self.model_vector.get()
         self.raise_if_non_finite(local)  # before a non-finite delta turns a block's scale non-finite
-        return self.learner_whole(self._compressed.average(self.learners, self.learner_part(local), purpose), purpose)
+        part = self._compressed.average(self.learners, self.learner_part(local), self.learner_num_parameters(), purpose)
+        return self.learner_whole(part, purpose)
 
     def set_common_model(self, vector: Tensor) -> None:
         """Every replica now holds ``vector``: after a full synchronization, at the start and at the end of ``fit``.

@@ -3,12 +3,15 @@ from its definition with unequal deltas."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_dist.algorithms.arguments import check_compression
 from lightning_dist.algorithms.compression import (
     INT8_BLOCK,
     compress_chunks,
     compressed_mean,
+    compressed_model_mean,
     decode,
     encode,
     encoded_nbytes,
@@ -73,3 +76,86 @@ def test_compression_argument_names_the_formats():
     assert check_compression(None) is None and check_compression("int8") == "int8"
     with pytest.raises(ValueError, match="compression must be None or one of 'bf16', 'int8' .*; got 'fp8'"):
         check_compression("fp8")
+
+
+def batchnorm_like_models(generator, ranks, num_parameters, dtype=torch.float32):
+    """``ranks`` model vectors of ``num_parameters`` parameters (deltas of about 1e-2 from a common model), then a
+    BatchNorm's running mean and a tiny positive running variance (1e-5 to 2e-5) sharing their int8 block."""
+    common = torch.randn(num_parameters + 8, generator=generator).to(dtype)
+    common[num_parameters + 4:] = 1.5e-5
+    models = []
+    for _ in range(ranks):
+        model = common.clone()
+        model[:num_parameters] += (1e-2 * torch.randn(num_parameters, generator=generator)).to(dtype)
+        model[num_parameters:num_parameters + 4] = torch.randn(4, generator=generator).to(dtype)
+        model[num_parameters + 4:] = (1e-5 * (1 + torch.rand(4, generator=generator))).to(dtype)
+        models.append(model)
+    return common, models
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+def test_buffers_are_averaged_exactly_so_a_running_variance_stays_positive(codec):
+    """A running variance of ~1e-5 next to parameter deltas of ~1e-2 in one int8 block: quantized with them it decodes
+    to a multiple of ~1e-2 / 127 (the defect: -1.13e-4, NaN evaluation). The buffers are the models' exact mean; the
+    parameters the common model plus compressed_mean's update."""
+    generator = torch.Generator().manual_seed(1)
+    ranks, num_parameters = 3, 1000
+    common, models = batchnorm_like_models(generator, ranks, num_parameters)
+    worker = [torch.zeros(num_parameters) for _ in range(ranks)]
+    owner = [torch.zeros(stop - start) for start, stop in chunk_bounds(num_parameters, list(range(ranks))).values()]
+    mean, _, _ = compressed_model_mean(models, common, num_parameters, worker, owner, codec)
+    assert torch.equal(mean[num_parameters:], sum(model[num_parameters:] for model in models) / ranks)
+    assert bool((mean[num_parameters + 4:] > 0).all())
+    deltas = [model[:num_parameters] - common[:num_parameters] for model in models]
+    applied, _, _ = compressed_mean(deltas, worker, owner, codec)
+    assert torch.equal(mean[:num_parameters], common[:num_parameters] + applied)
+
+
+def test_a_float64_model_is_not_rounded_to_float32_by_a_compressed_synchronization():
+    """The common model's parameters stay float64: identical models (zero deltas) come back bit for bit, where a
+    float32 round trip would change the low bits of every parameter."""
+    common = torch.randn(2000, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(common.to(torch.float32).to(torch.float64), common)
+    worker = [torch.zeros(1990) for _ in range(2)]
+    owner = [torch.zeros(stop - start) for start, stop in chunk_bounds(1990, [0, 1]).values()]
+    mean, _, _ = compressed_model_mean([common.clone(), common.clone()], common, 1990, worker, owner, "int8")
+    assert mean.dtype == torch.float64 and torch.equal(mean, common)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ranks=st.integers(1, 5), num_parameters=st.integers(0, 3000), num_buffers=st.integers(0, 40),
+       codec=st.sampled_from(["int8", "bf16"]), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1), syncs=st.integers(1, 3))
+def test_property_compressed_synchronizations_keep_buffers_valid_and_lose_nothing(
+        ranks, num_parameters, num_buffers, codec, dtype, seed, syncs):
+    """Any sizes, dtypes and rank counts: buffers are the exact mean (so non-negative variances stay non-negative),
+    the residuals have the parameters' and the owners' chunks' sizes, and over several synchronizations the applied
+    updates plus the residuals equal the true mean deltas (error feedback)."""
+    generator = torch.Generator().manual_seed(seed)
+    numel = num_parameters + num_buffers
+    common = torch.randn(numel, generator=generator).to(dtype)
+    common[num_parameters:] = common[num_parameters:].abs()
+    worker = [torch.zeros(num_parameters) for _ in range(ranks)]
+    owner = [torch.zeros(stop - start) for start, stop in chunk_bounds(num_parameters, list(range(ranks))).values()]
+    applied_total = torch.zeros(num_parameters, dtype=torch.float64)
+    true_total = torch.zeros(num_parameters, dtype=torch.float64)
+    for _ in range(syncs):
+        models = []
+        for _ in range(ranks):
+            model = common.clone()
+            model[:num_parameters] += (0.1 * torch.randn(num_parameters, generator=generator)).to(dtype)
+            model[num_parameters:] = 1e-6 * torch.rand(num_buffers, generator=generator).to(dtype)
+            models.append(model)
+        mean, worker, owner = compressed_model_mean(models, common, num_parameters, worker, owner, codec)
+        assert mean.dtype == dtype and mean.shape == common.shape
+        accumulate = torch.promote_types(dtype, torch.float32)
+        exact = (sum(model[num_parameters:].to(accumulate) for model in models) / ranks).to(dtype)
+        assert torch.equal(mean[num_parameters:], exact) and bool((mean[num_parameters:] >= 0).all())
+        assert [r.numel() for r in worker] == [num_parameters] * ranks
+        true_total += sum(model[:num_parameters].double() - common[:num_parameters].double() for model in models) / ranks
+        applied_total += mean[:num_parameters].double() - common[:num_parameters].double()
+        common = mean
+    left = (sum(worker) / ranks + (torch.cat(owner) if owner else torch.zeros(0))).double()
+    # bf16 models round the common model itself at every synchronization (its own quantum); float32/64 do not.
+    tolerance = 0.05 * syncs if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(applied_total + left, true_total, rtol=0, atol=tolerance)

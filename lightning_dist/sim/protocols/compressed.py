@@ -1,7 +1,8 @@
 """The strategies' compressed full synchronization in the simulator (``compression="bf16"`` or ``"int8"``).
 
-The math is :func:`lightning_dist.algorithms.compression.compressed_mean`, run once per
-synchronization over every worker's delta from the common model, with the workers' and the
+The math is :func:`lightning_dist.algorithms.compression.compressed_model_mean`, run once per
+synchronization over every worker's model (parameters compressed as deltas from the common model,
+buffers averaged exactly), with the workers' and the
 chunk owners' residuals kept here (the strategy keeps them on each rank). The messages are the
 strategy's: every worker all-gathers a 1-byte finiteness flag, then the compressed pieces of the
 reduce-scatter and the all-gather of the compressed mean. They are timed as one ring all-reduce
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_compression
-from lightning_dist.algorithms.compression import compressed_mean, encoded_chunks_nbytes
+from lightning_dist.algorithms.compression import compressed_model_mean, compressed_sync_nbytes
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.sim.engine import Node
@@ -39,13 +40,15 @@ def check_simulated_compression(compression: object, topology: str, client_fract
 class CompressedSync:
     """Compressed full synchronizations of ``workers`` workers that start from ``common``."""
 
-    def __init__(self, codec: str, common: Tensor, workers: int) -> None:
+    def __init__(self, codec: str, common: Tensor, num_parameters: int, workers: int) -> None:
         self.codec = codec
         self.common = common.clone()
-        self.bounds = list(chunk_bounds(common.numel(), list(range(workers))).values())
-        self.worker_residuals = [torch.zeros(common.numel()) for _ in range(workers)]
-        self.owner_residuals = [torch.zeros(stop - start) for start, stop in self.bounds]
-        self.nbytes = encoded_chunks_nbytes(common.numel(), workers, codec)
+        self.num_parameters = num_parameters
+        bounds = chunk_bounds(num_parameters, list(range(workers))).values()
+        self.worker_residuals = [torch.zeros(num_parameters) for _ in range(workers)]
+        self.owner_residuals = [torch.zeros(stop - start) for start, stop in bounds]
+        self.nbytes = compressed_sync_nbytes(num_parameters, common.numel() - num_parameters, workers, codec,
+                                             common.dtype)
 
     def synchronize(self, node: Node, key: Hashable, workers: list[int], local: Tensor,
                     outer: OuterStep | None) -> Program:
@@ -55,11 +58,8 @@ class CompressedSync:
                                            nbytes=self.nbytes))
 
     def _combine(self, models: list[Tensor], outer: OuterStep | None) -> Tensor:
-        common = self.common.to(torch.float32)
-        deltas = [model.to(torch.float32) - common for model in models]
-        applied, self.worker_residuals, self.owner_residuals = compressed_mean(
-            deltas, self.worker_residuals, self.owner_residuals, self.codec)
-        mean = (common + applied).to(models[0].dtype)
+        mean, self.worker_residuals, self.owner_residuals = compressed_model_mean(
+            models, self.common, self.num_parameters, self.worker_residuals, self.owner_residuals, self.codec)
         if outer is not None:
             mean = outer.step(mean)
         self.common = mean.clone()

@@ -102,7 +102,8 @@ class PeriodicAveraging(Protocol):
             else OuterStep(start.vector.parameters_of(start.get()), self._outer_factory)
         )
         self.compressed = (None if self.compression is None
-                           else CompressedSync(self.compression, self.last_mean, simulation.num_workers))
+                           else CompressedSync(self.compression, self.last_mean, start.vector.num_parameters,
+                                          simulation.num_workers))
 
     def participants(self, round_index: int) -> list[int]:
         """Participants of round ``round_index`` (from 1), drawn in round order from the shared seed among the
