@@ -13,7 +13,9 @@ nodes. Two kinds of groups serve it:
 
 Membership comes from the cluster environment Lightning detected (torchrun's ``GROUP_RANK``,
 SLURM's ``SLURM_NODEID``, ``NODE_RANK``): every rank's node index is all-gathered once, so nothing
-assumes that global ranks are numbered node by node. Every node must hold the same number of ranks.
+assumes that global ranks are numbered node by node (block or cyclic numberings both work). Every node
+must hold the same number of ranks, and every local rank must see the nodes in the same order
+(:meth:`NodeLayout.from_node_ranks`).
 """
 
 from __future__ import annotations
@@ -33,16 +35,33 @@ class NodeLayout:
 
     @classmethod
     def from_node_ranks(cls, node_of_rank: Sequence[int]) -> NodeLayout:
-        """The layout from every global rank's node index (``node_of_rank[r]``), checked to be even."""
+        """The layout from every global rank's node index (``node_of_rank[r]``), checked to be even.
+
+        Nodes are numbered by their lowest global rank, not by the cluster's node index: torch's ``new_group``
+        sorts a group's ranks, so in slice group ``j`` a node's group rank is the place of its ``j``-th rank in
+        that order, and the package uses it as the node's learner index (FedAvg's participants, balancing sets,
+        the server shard). That index is the same in every slice only if every local rank orders the nodes alike;
+        a numbering where it does not (node A holding ranks 0 and 3, node B ranks 1 and 2) is refused by name.
+        """
         indices = sorted(set(node_of_rank))
-        nodes = tuple(tuple(rank for rank, node in enumerate(node_of_rank) if node == index) for index in indices)
-        sizes = {index: len(ranks) for index, ranks in zip(indices, nodes)}
+        ranks_of = {index: tuple(rank for rank, node in enumerate(node_of_rank) if node == index) for index in indices}
+        sizes = {index: len(ranks) for index, ranks in ranks_of.items()}
         if len(set(sizes.values())) > 1:
             listing = ", ".join(f"node {index}: {size}" for index, size in sizes.items())
             raise ValueError(
                 f"hierarchy='node' needs the same number of ranks on every node (each node is one learner whose "
                 f"ranks carry equal chunks of the model); got {listing}"
             )
+        nodes = tuple(sorted(ranks_of.values()))
+        for local in range(len(nodes[0])):
+            if [ranks[local] for ranks in nodes] != sorted(ranks[local] for ranks in nodes):
+                listing = "; ".join(f"node {index}: ranks {list(ranks)}" for index, ranks in ranks_of.items())
+                raise ValueError(
+                    f"hierarchy='node' needs global ranks numbered in the same node order for every local rank (local "
+                    f"rank {local}'s slice group would order the nodes unlike local rank 0's, and a node would be "
+                    f"another learner in each slice); got {listing}: number ranks node by node (torchrun, SLURM's "
+                    "block distribution) or cyclically"
+                )
         return cls(nodes)
 
     @property

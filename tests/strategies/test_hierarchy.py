@@ -139,11 +139,19 @@ def test_each_rank_carries_its_chunk_between_nodes_and_bytes_are_counted_by_leve
     assert inter_per_mean / (NODES * RANKS_PER_NODE) < flat_ring_per_rank / RANKS_PER_NODE
 
 
-def test_nodes_must_be_even():
+def test_nodes_must_be_even_and_learners_are_numbered_as_torchs_slice_groups_number_them():
+    """Nodes are numbered by their lowest global rank, which is each node's rank in every slice group (torch's
+    new_group sorts ranks); a numbering where slice groups would order the nodes differently is refused by name."""
     assert NodeLayout.from_node_ranks([0, 0, 1, 1]).slices() == [[0, 2], [1, 3]]
-    assert NodeLayout.from_node_ranks([1, 0, 1, 0]).nodes == ((1, 3), (0, 2))
+    assert NodeLayout.from_node_ranks([1, 0, 1, 0]).nodes == ((0, 2), (1, 3))  # cyclic: node 1 holds rank 0
+    assert NodeLayout.from_node_ranks([1, 1, 0, 0]).slices() == [[0, 2], [1, 3]]
+    for layout in (NodeLayout.from_node_ranks([2, 0, 1, 2, 0, 1]), NodeLayout.from_node_ranks([0, 1, 0, 1])):
+        assert all(slice_ranks == sorted(slice_ranks) for slice_ranks in layout.slices())
     with pytest.raises(ValueError, match=r"same number of ranks on every node .* node 0: 3, node 1: 1"):
         NodeLayout.from_node_ranks([0, 0, 0, 1])
+    with pytest.raises(ValueError, match=r"same node order for every local rank .* node 0: ranks \[0, 3\]; "
+                                         r"node 1: ranks \[1, 2\]"):
+        NodeLayout.from_node_ranks([0, 1, 1, 0])
 
 
 def test_bad_settings_are_named_before_any_process_starts():
