@@ -17,7 +17,9 @@ device in the caller's dtype. NCCL groups move device tensors directly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,17 +54,30 @@ def stages_through_host(backend_config: str, device: torch.device) -> bool:
     return backend == "gloo"
 
 
+class CollectiveError(RuntimeError):
+    """A transfer of the package that could not complete, named by its operation, purpose and group.
+
+    Raised when the backend fails one (Gloo: a peer closed its connection, or the group's timeout passed while a
+    peer was elsewhere), so a rank that waits for a peer that failed or took another path stops within the
+    timeout with a message that says which exchange it was, instead of the backend's bare socket error.
+    """
+
+
 class PendingGather:
     """A gather in flight: :meth:`wait` returns every rank's tensor stacked in rank order (None off the destination),
     on ``device`` (the caller's, when the gather went through host memory)."""
 
-    def __init__(self, work: dist.Work, gathered: Tensor | None, device: torch.device) -> None:
+    def __init__(self, work: dist.Work, gathered: Tensor | None, device: torch.device,
+                 failing_as: Communicator, purpose: str) -> None:
         self._work = work
         self._gathered = gathered
         self._device = device
+        self._failing_as = failing_as
+        self._purpose = purpose
 
     def wait(self) -> Tensor | None:
-        self._work.wait()
+        with self._failing_as.named("gather", self._purpose):
+            self._work.wait()
         return self._gathered.to(self._device) if self._gathered is not None else None
 
 
@@ -81,10 +96,12 @@ class Communicator:
             counted under that level (:attr:`CommStats.bytes_by_level`).
         counted_by: count into that communicator's :attr:`stats` (whatever object it holds then), so a
             strategy's groups add up in the one set of counters it logs and checkpoints.
+        timeout: the group's timeout, named when a transfer fails (:class:`CollectiveError`); by default
+            ``counted_by``'s.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, level: str | None = None,
-                 counted_by: Communicator | None = None) -> None:
+                 counted_by: Communicator | None = None, timeout: timedelta | None = None) -> None:
         self._group = group
         self._closed = False
         self.rank = dist.get_rank(group)
@@ -94,6 +111,25 @@ class Communicator:
         self._counted_by = counted_by
         self.level = check_level(level)
         self._backend_config = dist.get_backend_config(group)
+        self.timeout = timeout if timeout is not None or counted_by is None else counted_by.timeout
+
+    @contextmanager
+    def named(self, operation: str, purpose: str) -> Iterator[None]:
+        """Run a transfer; a backend failure becomes a :class:`CollectiveError` naming it."""
+        try:
+            yield
+        except RuntimeError as failure:  # torch's DistBackendError and Gloo's errors are RuntimeErrors
+            if isinstance(failure, CollectiveError):
+                raise
+            group = f"{self.level} group" if self.level is not None else "group"
+            waited = f"the group's timeout ({self.timeout}, the strategy's `timeout` argument)" if self.timeout else (
+                "the group's timeout")
+            raise CollectiveError(
+                f"lightning_dist: the {operation} for {purpose!r} on rank {self.rank} of a {group} of "
+                f"{self.world_size} ranks did not complete: another rank of the group failed or stopped, called "
+                f"another transfer (ranks whose decisions differ), or did not arrive within {waited}. "
+                f"Backend: {failure}"
+            ) from failure
 
     @property
     def stats(self) -> CommStats:
@@ -150,7 +186,8 @@ class Communicator:
         """Every rank's ``tensor``, stacked along a new first dimension in rank order."""
         wire = self._to_wire(tensor)
         gathered = [torch.empty_like(wire) for _ in range(self.world_size)]
-        dist.all_gather(gathered, wire, group=self.group)
+        with self.named("all-gather", purpose):
+            dist.all_gather(gathered, wire, group=self.group)
         self._record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
         return torch.stack(gathered).to(tensor.device)
 
@@ -164,14 +201,16 @@ class Communicator:
         wire = self._to_wire(tensor)
         gathered = wire.new_empty(self.world_size, *wire.shape) if self.rank == dst else None
         outputs = list(gathered.unbind(0)) if gathered is not None else None
-        work = dist.gather(wire, outputs, dst=self.global_rank(dst), group=self.group, async_op=True)
+        with self.named("gather", purpose):
+            work = dist.gather(wire, outputs, dst=self.global_rank(dst), group=self.group, async_op=True)
         if self.rank != dst:
             self._record(purpose, _nbytes(tensor), 1)
-        return PendingGather(work, gathered, tensor.device)
+        return PendingGather(work, gathered, tensor.device, self, purpose)
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
         """Sum ``tensor`` over all ranks in place."""
-        self._all_reduce_sum_(tensor)
+        with self.named("all-reduce", purpose):
+            self._all_reduce_sum_(tensor)
         self.record_all_reduce(tensor, purpose)
         return tensor
 
@@ -192,7 +231,8 @@ class Communicator:
     def broadcast_(self, tensor: Tensor, src: int, purpose: str) -> Tensor:
         """Overwrite ``tensor`` on every rank with ``src``'s copy. Counted at the source."""
         wire = self._to_wire(tensor)
-        dist.broadcast(wire, src=self.global_rank(src), group=self.group)
+        with self.named("broadcast", purpose):
+            dist.broadcast(wire, src=self.global_rank(src), group=self.group)
         if wire is not tensor:
             tensor.copy_(wire)
         if self.rank == src:
@@ -202,18 +242,21 @@ class Communicator:
     def send(self, tensor: Tensor, destinations: Sequence[int], purpose: str) -> None:
         """Send ``tensor`` to each destination rank (one message each), waiting for completion."""
         wire = self._to_wire(tensor)
-        requests = [dist.isend(wire, dst=self.global_rank(dst), group=self.group) for dst in destinations]
-        for request in requests:
-            request.wait()
+        with self.named("send", purpose):
+            requests = [dist.isend(wire, dst=self.global_rank(dst), group=self.group) for dst in destinations]
+            for request in requests:
+                request.wait()
         self._record(purpose, len(destinations) * _nbytes(tensor), len(destinations))
 
-    def receive(self, like: Tensor, sources: Sequence[int]) -> list[Tensor]:
-        """One tensor shaped like ``like`` (its dtype, on its device) from each source rank, in the order of ``sources``."""
+    def receive(self, like: Tensor, sources: Sequence[int], purpose: str = "protocol") -> list[Tensor]:
+        """One tensor shaped like ``like`` (its dtype, on its device) from each source rank, in the order of ``sources``
+        (``purpose`` names the transfer if it fails; a receive counts no bytes)."""
         buffers = [torch.empty(like.shape, dtype=like.dtype, device=self.wire_device(like.device)) for _ in sources]
-        requests = [dist.irecv(buffer, src=self.global_rank(src), group=self.group)
-                    for buffer, src in zip(buffers, sources)]
-        for request in requests:
-            request.wait()
+        with self.named("receive", purpose):
+            requests = [dist.irecv(buffer, src=self.global_rank(src), group=self.group)
+                        for buffer, src in zip(buffers, sources)]
+            for request in requests:
+                request.wait()
         return [buffer.to(like.device) for buffer in buffers]
 
     def exchange(
@@ -235,8 +278,9 @@ class Communicator:
         operations += [dist.P2POp(dist.isend, self._to_wire(tensor), self.global_rank(dst), group=self.group)
                        for tensor, dst in sends]
         if operations:
-            for request in dist.batch_isend_irecv(operations):
-                request.wait()
+            with self.named("exchange", purpose):
+                for request in dist.batch_isend_irecv(operations):
+                    request.wait()
         for buffer, wire in staged:
             if wire is not buffer:
                 buffer.copy_(wire)
@@ -250,10 +294,10 @@ class Communicator:
         self.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), [destination], purpose)
         self.send(data, [destination], purpose)
 
-    def receive_object(self, source: int, device: torch.device) -> bytes:
+    def receive_object(self, source: int, device: torch.device, purpose: str = "checkpoint") -> bytes:
         device = self.wire_device(device)
-        (length,) = self.receive(torch.zeros(1, dtype=torch.int64, device=device), [source])
-        (data,) = self.receive(torch.empty(int(length.item()), dtype=torch.uint8, device=device), [source])
+        (length,) = self.receive(torch.zeros(1, dtype=torch.int64, device=device), [source], purpose)
+        (data,) = self.receive(torch.empty(int(length.item()), dtype=torch.uint8, device=device), [source], purpose)
         return data.cpu().numpy().tobytes()
 
     def summed_stats(
@@ -273,6 +317,7 @@ class Communicator:
         if extra is not None:
             local = [mine + theirs for mine, theirs in zip(local, extra.to_vector())]
         vector = torch.tensor(local + [syncs], dtype=torch.int64, device=self.wire_device(device))
-        self._all_reduce_sum_(vector)
+        with self.named("all-reduce", "accounting"):
+            self._all_reduce_sum_(vector)
         values = vector.tolist()
         return CommStats.from_vector(values[:-1], values[-1] if sum_syncs else syncs)

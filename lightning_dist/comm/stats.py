@@ -9,8 +9,8 @@ PURPOSES = ("setup", "protocol", "evaluation", "final", "checkpoint", "accountin
 """Why bytes were sent: ``setup`` (initial broadcast, set-up checks), ``protocol`` (the algorithm's own exchanges,
 what the papers count), ``evaluation`` (averaging for validation/test), ``final`` (the average all
 ranks hold after fit), ``checkpoint`` (replicas sent to rank 0 for the checkpoint file),
-``accounting`` (summing these counters over ranks), ``gradients`` (DDP's gradient all-reduce inside a node under
-``hierarchy="node"``)."""
+``accounting`` (summing these counters over ranks), ``gradients`` (DDP's per-step traffic inside a node under
+``hierarchy="node"``: the gradient all-reduce, and local rank 0's buffers broadcast to its node mates)."""
 LEVELS = ("intra_node", "inter_node")
 """Where bytes went under ``hierarchy="node"``: between the ranks of one node (DDP's gradient all-reduce, the
 node's all-gathers), or between nodes (the protocol's exchanges). Flat strategies count no level."""

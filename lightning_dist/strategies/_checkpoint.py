@@ -11,8 +11,11 @@ A local-update run has one replica per rank, so a checkpoint holds more than Lig
   exchanges (the common model and the error-feedback residuals) and RNG states. Each rank
   pickles its part on the host and sends it to rank 0, which writes the file.
 
-Resumed by as many processes as wrote it, every rank continues from its own part, bit for bit;
-resumed by another number, the rule of :mod:`lightning_dist.strategies._resize` applies.
+The checkpoint also records its layout (the hierarchy and the learners as lists of global ranks).
+Resumed with the same learners, rank for rank, every rank continues from its own part, bit for bit;
+resumed with any other layout (another world size, or as many processes cut into other nodes), the
+rule of :mod:`lightning_dist.strategies._resize` applies: every rank starts from the consensus, and
+the ranks of a node from one saved learner's optimizer state.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_dist.comm import CommStats
-from lightning_dist.strategies._resize import nearest_saved_rank, resized_comm_stats
+from lightning_dist.strategies._resize import followed_saved_rank, learner_groups, resized_comm_stats
 
 CHECKPOINT_KEY = "lightning_dist"
 
@@ -74,6 +77,8 @@ class ReplicaCheckpoints:
             if self.is_global_zero:
                 checkpoint[CHECKPOINT_KEY] = {
                     "world_size": self.comm.world_size,
+                    "hierarchy": self.hierarchy,
+                    "learners": self.learner_groups(),
                     "local_steps": self._local_steps,
                     "syncs": self._syncs,
                     "replicas_in_sync": self._replicas_in_sync,
@@ -123,15 +128,14 @@ class ReplicaCheckpoints:
         # the consensus in the checkpoint's state_dict, the model the run evaluated and logged.
         if state is None or not self._is_fitting():
             return
-        written_by, rank = state["world_size"], self.comm.rank
-        replicas = state["replicas"]
-        # The checkpoint's state_dict, the same on every rank: what compressed exchanges restart from at another size.
+        written_by, in_place = state["world_size"], self._resumes_in_place(state)
+        replica = self._followed_replica(state)
+        # The checkpoint's state_dict, the same on every rank: what compressed exchanges restart from in a new layout.
         consensus = self.model_vector.get() if self.compression is not None else None
-        replica = replicas[nearest_saved_rank(rank, written_by)]
         # Global counters first: a strategy whose counts are per rank (DownpourSGD's pushes) sets its own below.
         self._local_steps = state["local_steps"]
         self._syncs = state["syncs"]
-        if written_by == self.comm.world_size:
+        if in_place:
             self.model_vector.set(replica["vector"].to(self.root_device))
             self._replicas_in_sync = state["replicas_in_sync"]
             self.comm.stats = CommStats.from_state_dict(replica["comm"])
@@ -139,11 +143,12 @@ class ReplicaCheckpoints:
             self.load_worker_state_dict(replica.get("worker", {}))
         else:  # strategies/_resize.py: every replica continues from the consensus the module now holds
             self._replicas_in_sync = True
-            self.comm.stats = resized_comm_stats([saved["comm"] for saved in replicas], rank, self.comm.world_size)
+            self.comm.stats = resized_comm_stats([saved["comm"] for saved in state["replicas"]], self.comm.rank,
+                                                 self.comm.world_size)
             self.load_protocol_state_dict(self.resized_protocol_state(state["protocol"], written_by))
-            workers = [saved.get("worker", {}) for saved in replicas]
+            workers = [saved.get("worker", {}) for saved in state["replicas"]]
             self.load_worker_state_dict(self.resized_worker_state(workers, written_by))
-        self._resume_compression(replica.get("compression") if written_by == self.comm.world_size else None, consensus)
+        self._resume_compression(replica.get("compression") if in_place else None, consensus)
         self._generator.set_state(state["generator"])
         torch.set_rng_state(replica["torch_rng"])
         if replica["cuda_rng"]:
@@ -152,14 +157,33 @@ class ReplicaCheckpoints:
         random.setstate(replica["python_rng"])
         np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
 
+    def learner_groups(self) -> list[list[int]]:
+        """This run's learners as lists of global ranks (:func:`~lightning_dist.strategies._resize.learner_groups`)."""
+        return learner_groups(self.comm.world_size, None if self._hierarchy is None else self._hierarchy.layout.nodes)
+
+    def _saved_learners(self, state: Mapping[str, Any]) -> list[list[int]]:
+        """The checkpoint's learners (a checkpoint written before layouts were recorded: every rank a learner)."""
+        return state.get("learners") or learner_groups(state["world_size"], None)
+
+    def _resumes_in_place(self, state: Mapping[str, Any]) -> bool:
+        """Whether every rank continues from its own part: the checkpoint's hierarchy and learners, rank for rank."""
+        return state.get("hierarchy") == self.hierarchy and self._saved_learners(state) == self.learner_groups()
+
+    def _followed_replica(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The saved part this rank resumes from: its own in place, else that of the saved rank it takes after."""
+        rank = self.comm.rank
+        if not self._resumes_in_place(state):
+            rank = followed_saved_rank(rank, self.learner_groups(), self._saved_learners(state))
+        return state["replicas"][rank]
+
     def compression_state_dict(self) -> dict[str, Any] | None:
         """This rank's compressed exchanges' state (residuals), its checkpoint part's ``"compression"``."""
         return None if self._compressed is None else self._compressed.state_dict()
 
     def _resume_compression(self, saved: Mapping[str, Any] | None, consensus: Tensor | None) -> None:
-        """A compressed exchange's state: this rank's own at the same world size; else (another world size, or a
-        checkpoint written without compression) deltas from the checkpoint's consensus, residuals at zero: the
-        updates they held, a few quantization errors' worth, are dropped (the chunks they were owed are re-cut)."""
+        """A compressed exchange's state: this rank's own in the same layout; else (another layout, or a checkpoint
+        written without compression) deltas from the checkpoint's consensus, residuals at zero: the updates they
+        held, a few quantization errors' worth, are dropped (the chunks they were owed are re-cut)."""
         if self._compressed is None:
             return
         if saved is not None:
@@ -173,7 +197,7 @@ class ReplicaCheckpoints:
         if state is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        replica = state["replicas"][nearest_saved_rank(self.comm.rank, state["world_size"])]
+        replica = self._followed_replica(state)
         for optimizer, optimizer_state in zip(self.optimizers, replica["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
             _optimizer_to_device(optimizer, self.root_device)

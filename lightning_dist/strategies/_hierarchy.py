@@ -18,6 +18,13 @@ through a node's interface. A leader per node (one rank exchanging the whole mod
 others wait) would move the same bytes through one rank's link, ``L`` times slower where each GPU has its own
 network path (multi-rail nodes), and gains nothing where they share one NIC.
 
+BatchNorm's running statistics are computed by each rank on its own batch, so DDP would let a node's ranks
+hold different buffers between its broadcasts of local rank 0's before each forward, and each rank would
+send its own buffers' chunk between nodes (a node's model mixed from its ranks' statistics). Here local rank
+0's floating-point buffers are broadcast to its node mates after every optimizer step instead (DDP's
+``broadcast_buffers`` off, the same bytes): a node's ranks hold one model, buffers included, after every
+step, and that model is local rank 0's, as the simulator's node is.
+
 Bytes are counted in the strategy's counters and by level (:data:`lightning_dist.comm.stats.LEVELS`): the
 slice groups' ``inter_node``, the node groups' ``intra_node``, DDP's gradient all-reduce included (a comm hook that
 counts each bucket and runs torch's default all-reduce, registered on every device: Lightning
@@ -75,10 +82,22 @@ class NodeHierarchy:
                    Communicator(slice_group, "inter_node", counted_by=comm))
 
     def wrap(self, module: LightningModule, device_ids: list[int] | None) -> DistributedDataParallel:
-        """``module`` in DDP over this node's ranks, with the counting all-reduce hook."""
-        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=self.node.group)
+        """``module`` in DDP over this node's ranks, with the counting all-reduce hook; buffers are shared after each
+        step (:meth:`share_buffers`), not before each forward."""
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=self.node.group,
+                                      broadcast_buffers=False)
         ddp.register_comm_hook(self.node, _counted_allreduce)
         return ddp
+
+    @torch.no_grad()
+    def share_buffers(self, buffers: list[Tensor]) -> None:
+        """Local rank 0's floating-point ``buffers`` on every rank of the node (one broadcast, counted as DDP's)."""
+        if not buffers or self.node.world_size == 1:
+            return
+        flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
+        self.node.broadcast_(flat, src=0, purpose="gradients")
+        for buffer, chunk in zip(buffers, flat.split([buffer.numel() for buffer in buffers])):
+            buffer.copy_(chunk.view_as(buffer))
 
     def bounds(self, numel: int) -> list[tuple[int, int]]:
         """The ``L`` nearly equal chunks of a vector of ``numel`` elements, local rank ``j`` carrying chunk ``j``."""

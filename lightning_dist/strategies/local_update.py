@@ -29,16 +29,19 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from lightning_dist.algorithms.arguments import check_compression, check_hierarchy
 from lightning_dist.algorithms.averaging import accumulation_dtype
-from lightning_dist.comm import CommStats, Communicator, new_group, restart_scoped_store
+from lightning_dist.comm import CommStats, Communicator, check_timeout, new_group, restart_scoped_store
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
 from lightning_dist.strategies._compressed_average import CompressedAverage
 from lightning_dist.strategies._hierarchy import NodeHierarchy
+
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""The strategies' default bound on one collective (torch's is 30 minutes)."""
 
 
 class NonFiniteModelError(RuntimeError):
@@ -64,7 +67,12 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             (torchrun, SLURM) and must all hold ``devices`` ranks.
         process_group_backend: ``"gloo"`` or ``"nccl"``; Lightning picks from the accelerator
             when None.
-        timeout: timeout of collective operations, Lightning's and this strategy's own process group's.
+        timeout: how long a rank waits in one collective or transfer, Lightning's and this strategy's own process
+            groups': a rank that failed, stopped or took another path makes the others raise
+            :class:`~lightning_dist.comm.CollectiveError` naming the exchange within this time (on Gloo; NCCL's
+            watchdog aborts the process instead). Default 10 minutes, not torch's 30; raise it where one
+            synchronization of the model takes longer (a 1 GB float32 model crosses a 20 Mbit/s link in about 7
+            minutes).
         start_method: how Lightning launches processes when it launches them itself.
     """
 
@@ -79,7 +87,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -89,7 +97,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=check_timeout(timeout),
             start_method=start_method,
         )
         self.seed = seed
@@ -146,7 +154,8 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             self._comm.close()
         if self._hierarchy is not None:
             self._hierarchy.close()
-        self._comm = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout))
+        self._comm = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout),
+                                  timeout=self._timeout)
         if self.hierarchy is not None:
             self._hierarchy = NodeHierarchy.create(
                 self._comm, self.cluster_environment.node_rank(), self.num_processes, self.num_nodes,
@@ -343,6 +352,8 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._hierarchy is not None:  # a node is one learner, its BatchNorm statistics included
+            self._hierarchy.share_buffers(self.model_vector.buffers)
         self._local_steps += 1
         self._replicas_in_sync = False
         self.after_local_step(self._local_steps)

@@ -70,13 +70,25 @@ def test_fedavg_three_ranks(tmp_path):
     assert all(torch.equal(results[0]["vector"], other["vector"]) for other in results[1:])
 
 
-def test_non_finite_rank_stops_every_rank_with_its_name(tmp_path):
-    out = tmp_path / "nan"
-    run_ranks(2, "fit", {"strategy": {"class": "DynamicAveragingStrategy",
-                                       "kwargs": {"divergence_threshold": 1.0, "check_every": 4}},
-                          "trainer": {"max_epochs": 1}, "nan": {"rank": 1, "step": 6}}, out)
-    for result in load_results(out, 2):
+def test_no_silent_hang_a_failed_check_or_a_missing_rank_stops_every_rank_by_name(tmp_path):
+    """A rank turned non-finite stops every rank with the same error naming it. A rank that does not arrive (asleep
+    for 12 s before its 4th optimizer step while the other waits in the synchronization after it) makes the waiting rank raise
+    within the strategy's `timeout` (2 s here) an error naming the exchange (the 'protocol' all-reduce), not hang
+    for torch's 30 minutes; the late rank then fails fast (its peer tore the group down), also by name."""
+    runs = [{"name": "nan", "strategy": {"class": "DynamicAveragingStrategy",
+                                         "kwargs": {"divergence_threshold": 1.0, "check_every": 4}},
+             "nan": {"rank": 1, "step": 6}},
+            {"name": "stall", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4},
+                                           "timeout_seconds": 2},
+             "stall": {"rank": 1, "step": 3, "seconds": 12}}]
+    run_ranks(2, "fit", {"trainer": {"max_epochs": 1}, "runs": runs}, tmp_path)
+    for result in load_results(tmp_path / "nan", 2):
         assert result["error"] is not None and "NonFiniteModelError" in result["error"] and "rank(s) [1]" in result["error"]
+    waiting, late = load_results(tmp_path / "stall", 2)
+    assert waiting["error"].startswith("CollectiveError: lightning_dist: the all-reduce for 'protocol' on rank 0"), waiting
+    assert "timeout (0:00:02, the strategy's `timeout` argument)" in waiting["error"]
+    assert waiting["fit_seconds"] < 12 <= late["fit_seconds"]
+    assert late["error"] is not None and "CollectiveError" in late["error"], late["error"]
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_dist.comm import CommStats
-from lightning_dist.strategies._resize import nearest_saved_rank, resized_comm_stats
+from lightning_dist.comm.nodes import NodeLayout
+from lightning_dist.strategies._resize import followed_saved_rank, learner_groups, resized_comm_stats
 
 
 def test_resized_comm_stats_keep_the_total():
@@ -18,7 +21,46 @@ def test_resized_comm_stats_keep_the_total():
     assert [s.protocol_bytes for s in shrunk] == [103, 20] and [s.messages for s in shrunk] == [4, 2]
     grown = [resized_comm_stats(saved, rank, 4) for rank in range(4)]
     assert [s.protocol_bytes for s in grown] == [100, 20, 3, 0] and all(s.syncs == 7 for s in grown)
-    assert [nearest_saved_rank(rank, 3) for rank in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_the_ranks_of_a_node_take_after_one_saved_learner_on_every_layout_change():
+    """The layouts of issue 40, by hand: 2 x 2 -> 1 x 4 (all four ranks after old node 0, whose two ranks hold one
+    optimizer state), flat 4 -> 2 x 2 (node n after old rank n), 2 x 2 -> flat 4 (rank r after old node r mod 2),
+    2 x 3 -> 3 x 2 (node n after old node n mod 2), 2 x 2 -> 1 x 3 and flat 3 -> flat 5 (r mod 3, as before)."""
+    two_by_two, flat4 = learner_groups(4, [[0, 1], [2, 3]]), learner_groups(4, None)
+    assert [followed_saved_rank(r, learner_groups(4, [[0, 1, 2, 3]]), two_by_two) for r in range(4)] == [0, 1, 0, 1]
+    assert [followed_saved_rank(r, two_by_two, flat4) for r in range(4)] == [0, 0, 1, 1]
+    assert [followed_saved_rank(r, flat4, two_by_two) for r in range(4)] == [0, 2, 0, 2]
+    two_by_three = learner_groups(6, [[0, 1, 2], [3, 4, 5]])
+    three_by_two = learner_groups(6, [[0, 1], [2, 3], [4, 5]])
+    assert [followed_saved_rank(r, three_by_two, two_by_three) for r in range(6)] == [0, 1, 3, 4, 0, 1]
+    assert [followed_saved_rank(r, learner_groups(3, [[0, 1, 2]]), two_by_two) for r in range(3)] == [0, 1, 0]
+    assert [followed_saved_rank(r, learner_groups(5, None), learner_groups(3, None)) for r in range(5)] == [
+        0, 1, 2, 0, 1]
+    assert [followed_saved_rank(r, flat4, flat4) for r in range(4)] == [0, 1, 2, 3]
+
+
+def layouts(max_nodes: int = 5, max_per_node: int = 4):
+    """Hypothesis: a layout as ``(world_size, nodes or None)``, nodes numbered block-wise or cyclically."""
+    def build(nodes, per_node, flat, cyclic):
+        world = nodes * per_node
+        if flat:
+            return world, None
+        node_of = [rank % nodes if cyclic else rank // per_node for rank in range(world)]
+        return world, [list(ranks) for ranks in NodeLayout.from_node_ranks(node_of).nodes]
+    return st.builds(build, st.integers(1, max_nodes), st.integers(1, max_per_node), st.booleans(), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(now=layouts(), saved=layouts())
+def test_property_node_mates_follow_one_saved_learner(now, saved):
+    """Any layout change: every rank follows an existing saved rank; the ranks of one learner follow ranks of one
+    saved learner (which share one optimizer state), learner i the saved learner i mod K."""
+    learners, saved_learners = learner_groups(*now), learner_groups(*saved)
+    for index, ranks in enumerate(learners):
+        followed = {followed_saved_rank(rank, learners, saved_learners) for rank in ranks}
+        assert followed <= set(saved_learners[index % len(saved_learners)])
+    assert learners == learner_groups(*now) and sorted(r for ranks in learners for r in ranks) == list(range(now[0]))
 
 
 def test_a_strategy_without_a_resize_rule_refuses_another_world_size_by_name():

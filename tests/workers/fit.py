@@ -35,6 +35,18 @@ class InjectNaN(Callback):
                 next(pl_module.parameters()).fill_(float("nan"))
 
 
+class Stall(Callback):
+    """One rank sleeps before its optimizer step ``step`` (0-based), as a rank stuck elsewhere would, while the others
+    go on to the strategy's collective after that step (Lightning's own collective before each batch is passed)."""
+
+    def __init__(self, rank: int, step: int, seconds: float) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            __import__("time").sleep(self.seconds)
+
+
 def vector_of(trainer, pl_module) -> torch.Tensor:
     """The model as a vector: the strategy's view of it, or for Lightning's own strategies (DDP) the module's."""
     vector = getattr(trainer.strategy, "model_vector", None) or ModelVector(pl_module)
@@ -93,7 +105,10 @@ def fit(spec: dict) -> None:
     if isinstance(strategy_spec, str):
         strategy = strategy_spec
     else:
-        strategy = getattr(lightning_dist, strategy_spec["class"])(**strategy_spec.get("kwargs", {}))
+        kwargs = dict(strategy_spec.get("kwargs", {}))
+        if "timeout_seconds" in strategy_spec:
+            kwargs["timeout"] = __import__("datetime").timedelta(seconds=strategy_spec["timeout_seconds"])
+        strategy = getattr(lightning_dist, strategy_spec["class"])(**kwargs)
     torch.manual_seed(1000 + int(__import__("os").environ.get("RANK", "0")))  # replicas must be made identical by the strategy
     if spec.get("user_model"):  # a module that is not the package's: BatchNorm, Dropout, Adam, StepLR
         datamodule, model = DigitsImages(), DigitsCNN()
@@ -109,6 +124,8 @@ def fit(spec: dict) -> None:
         callbacks.append(recorder)
     if "nan" in spec:
         callbacks.append(InjectNaN(**spec["nan"]))
+    if "stall" in spec:
+        callbacks.append(Stall(**spec["stall"]))
     plugins = []
     if "loss_scale_base" in spec:
         plugins.append(loss_scaled(spec["loss_scale_base"]))
@@ -123,11 +140,12 @@ def fit(spec: dict) -> None:
         num_sanity_val_steps=0, deterministic=True, **spec.get("trainer", {}),
     )
     error = None
+    started = __import__("time").perf_counter()
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=spec.get("ckpt_path"))
     except Exception as exc:  # reported to the test, which asserts on it
         error = f"{type(exc).__name__}: {exc}"
-    result = {"error": error, "rank": trainer.global_rank}
+    result = {"error": error, "rank": trainer.global_rank, "fit_seconds": __import__("time").perf_counter() - started}
     if error is None:
         result.update(
             vector=vector_of(trainer, model),
