@@ -8,21 +8,28 @@ float32 messages per push, all through the server's one port. Both directions co
   :func:`~lightning_dist.algorithms.parameter_server.push_message` plus the worker's residual ``e``
   is compressed, and ``e <- (u + e) - D(Q(u + e))`` is kept for the next push (error feedback, as
   in 1-bit SGD and EF-SGD): summed over pushes the decoded updates the server applies equal the
-  true updates up to the final residual. The buffers (BatchNorm statistics) travel as they are, in
+  true updates up to the final residual. A push the server refuses as too stale (``max_staleness``)
+  is dropped, update and all (the worker goes on from the global model), and the residual owed from
+  the pushes before it is owed again (:meth:`CompressedPushes.refused`): summed over the accepted
+  pushes the identity holds as before. The buffers (BatchNorm statistics) travel as they are, in
   float32: they are absolute values, not deltas (see the parameter-server module), and few.
 - **Reply** (server to worker): the server keeps, per worker, a *mirror* of the model that worker
-  holds, in float32, and sends ``Q(w - mirror)``, the global model's change since the worker's last
-  reply as the worker knows it; both sides add ``D(Q(w - mirror))`` to their mirror, so they stay
-  equal bit for bit and the worker continues from its mirror. What a reply's compression drops is
-  still in ``w - mirror`` at the next reply, so it is sent then: the mirror is the error feedback
-  (as the model-difference replies of DoubleSqueeze, Tang et al. 2019, and of the compressed
-  server in Streaming DiLoCo). The cost is one float32 model per worker on the server.
+  holds, in float32, and sends ``Q(w - mirror)`` over the parameters, the global model's change
+  since the worker's last reply as the worker knows it; both sides add ``D(Q(w - mirror))`` to their
+  mirror's parameters, so they stay equal bit for bit and the worker continues from its mirror. What
+  a reply's compression drops is still in ``w - mirror`` at the next reply, so it is sent then: the
+  mirror is the error feedback (as the model-difference replies of DoubleSqueeze, Tang et al. 2019,
+  and of the compressed server in Streaming DiLoCo). The buffers travel as in a push, absolute and
+  in float32, and both mirrors take them as they are: quantized as changes they share an int8 block
+  (one scale) with parameter changes orders of magnitude larger, and a small running variance
+  decoded below zero (issue 40). Buffers are never quantized into values they cannot take. The
+  cost is one float32 model per worker on the server.
 
-Bytes of a push: the codec's size of the parameters plus 4 bytes a buffer element; of a reply: the
-codec's size of the whole model (:func:`push_nbytes`, :func:`reply_nbytes`). A message is one
-``uint8`` tensor (int8: the float32 block scales first, so they stay 4-byte aligned, then the codes;
-a push's float32 buffers last). Nothing here knows about processes: the strategy's transport and
-the simulator's parameter server call the same classes.
+Bytes of a push and of a reply alike: the codec's size of the parameters plus 4 bytes a buffer
+element (:func:`push_nbytes`, :func:`reply_nbytes`). A message is one ``uint8`` tensor (int8: the
+float32 block scales first, so they stay 4-byte aligned, then the codes; the float32 buffers last).
+Nothing here knows about processes: the strategy's transport and the simulator's parameter server
+call the same classes.
 """
 
 from __future__ import annotations
@@ -59,9 +66,9 @@ def push_nbytes(num_parameters: int, num_buffers: int, codec: str) -> int:
     return encoded_nbytes(num_parameters, codec) + 4 * num_buffers
 
 
-def reply_nbytes(num_elements: int, codec: str) -> int:
-    """Bytes of a compressed reply: the change of the whole model (parameters and buffers) in ``codec``."""
-    return encoded_nbytes(num_elements, codec)
+def reply_nbytes(num_parameters: int, num_buffers: int, codec: str) -> int:
+    """Bytes of a compressed reply: the parameters' change in ``codec``, the buffers in float32 (a push's size)."""
+    return push_nbytes(num_parameters, num_buffers, codec)
 
 
 class CompressedPushes:
@@ -79,18 +86,27 @@ class CompressedPushes:
         self.num_parameters = num_parameters
         self.mirror = initial.detach().to(torch.float32, copy=True)
         self.residual = torch.zeros(num_parameters, dtype=torch.float32, device=initial.device)
+        self._owed = self.residual
 
     def encode_push(self, message: Tensor) -> Tensor:
         """A :func:`~lightning_dist.algorithms.parameter_server.push_message` compressed: what crosses the network."""
         value = message[: self.num_parameters].to(torch.float32) + self.residual
         encoded = encode(value, self.codec)
+        self._owed = self.residual
         self.residual = value - decode(encoded, self.codec)
         return pack(encoded, message[self.num_parameters:])
 
+    def refused(self) -> None:
+        """The server dropped the last encoded push as too stale: its update goes with it, and the residual it
+        replaced, owed from the accepted pushes before, is owed again (the next push carries it)."""
+        self.residual = self._owed
+
     def decode_reply(self, reply: Tensor) -> Tensor:
-        """The model to continue from (float32): the mirror moved by the server's compressed change."""
-        encoded, _ = unpack(reply, self.mirror.numel(), self.codec)
-        self.mirror += decode(encoded, self.codec)
+        """The model to continue from (float32): the mirror's parameters moved by the server's compressed change, its
+        buffers the server's."""
+        encoded, buffers = unpack(reply, self.num_parameters, self.codec)
+        self.mirror[: self.num_parameters] += decode(encoded, self.codec)
+        self.mirror[self.num_parameters:] = buffers
         return self.mirror.clone()
 
     def state_dict(self) -> dict[str, Any]:
@@ -123,9 +139,12 @@ class CompressedReplies:
 
     def encode_reply(self, rank: int, vector: Tensor) -> Tensor:
         """``rank``'s reply for the global model ``vector``; ``rank``'s mirror moves as the worker's will."""
-        encoded = encode(vector.to(torch.float32) - self.mirrors[rank], self.codec)
-        self.mirrors[rank] += decode(encoded, self.codec)
-        return pack(encoded)
+        vector = vector.to(torch.float32)
+        mirror, buffers = self.mirrors[rank], vector[self.num_parameters:]
+        encoded = encode(vector[: self.num_parameters] - mirror[: self.num_parameters], self.codec)
+        mirror[: self.num_parameters] += decode(encoded, self.codec)
+        mirror[self.num_parameters:] = buffers
+        return pack(encoded, buffers)
 
     def push_like(self) -> Tensor:
         """An empty message of a push's size (for receiving one)."""

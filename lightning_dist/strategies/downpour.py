@@ -188,7 +188,9 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             if self.compression is None:
                 reply_like = torch.empty(self._pulled.numel(), dtype=accumulation_dtype(self._pulled.dtype))
             else:
-                reply_like = torch.empty(reply_nbytes(self._pulled.numel(), self.compression), dtype=torch.uint8)
+                num_parameters = self.learner_num_parameters()
+                num_bytes = reply_nbytes(num_parameters, self._pulled.numel() - num_parameters, self.compression)
+                reply_like = torch.empty(num_bytes, dtype=torch.uint8)
             self._client = ParameterServerClient(ps_comm, self.max_staleness is not None, reply_like)
         # No push may reach the server before it exists and holds the restored state.
         dist.barrier(group=self.comm.group)
@@ -209,10 +211,13 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             reply = self._server.push_local(message, self._pulled_version)
         else:
             assert self._client is not None
-            reply = self._client.push(self._pushes.encode_push(message) if compressed else message, self._pulled_version)
-        vector = self._pushes.decode_reply(reply.vector) if compressed else reply.vector
+            reply = self._client.push(self._pushes.encode_push(message) if compressed else message,
+                                      self._pulled_version)
         if not reply.applied:
             self._rejected_pushes += 1
+            if compressed:  # too stale, at the header or on arrival: the residual owed before it stays owed
+                self._pushes.refused()
+        vector = self._pushes.decode_reply(reply.vector) if compressed else reply.vector
         self.model_vector.set(self.learner_whole(vector.to(self.root_device), "protocol"))
         # What the replica now holds (the float32 reply rounded to the model's dtype), so the next
         # update is exactly the local change and the server's float32 bits are never pushed back.

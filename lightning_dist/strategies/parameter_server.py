@@ -12,7 +12,9 @@ Why this shape:
 - One push is one round trip: the worker sends header + update, the server applies it and sends
   back header + global model. With ``max_staleness`` set, the worker first sends only the header;
   the server answers ``STALE`` with the current model (the worker re-pulls and drops its stale
-  update, no update bytes sent) or ``GO``, then the update follows.
+  update, no update bytes sent) or ``GO``, then the update follows. The bound is checked again
+  when the update is applied: versions applied while it travelled (rank 0's own pushes) can make
+  it too stale, and the server then drops it and answers ``STALE`` as well.
 - Synchronous mode collects one update from every active worker, applies their mean as one
   server version (``GlobalModel.push_round``, in rank order: reproducible float sums) and only
   then answers all of them: a barrier per round.

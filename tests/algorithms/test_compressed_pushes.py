@@ -64,7 +64,7 @@ def test_replies_keep_the_worker_and_server_mirrors_equal_and_close_in_on_the_gl
     gaps = []
     for _ in range(3):
         wire = server.encode_reply(2, target)
-        assert wire.numel() == reply_nbytes(PARAMETERS + BUFFERS, codec)
+        assert wire.numel() == reply_nbytes(PARAMETERS, BUFFERS, codec)
         model = worker.decode_reply(wire)
         assert torch.equal(model, server.mirrors[2]) and torch.equal(model, worker.mirror)
         gaps.append(float((target - model).abs().max()))
@@ -97,3 +97,46 @@ def test_state_dicts_restore_residual_and_mirrors():
     assert torch.equal(server_copy.mirrors, server.mirrors)
     with pytest.raises(ValueError, match="reply mirrors in the checkpoint have shape"):
         CompressedReplies("int8", start, PARAMETERS, workers=3).load_state_dict(server.state_dict())
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_a_reply_carries_the_buffers_exactly_beside_large_parameter_changes(codec):
+    """Issue 40: a BatchNorm running variance, tiny and positive, shares an int8 block (one scale per 1024 elements)
+    with parameter changes 10^5 times larger; quantized with them (bf16: rounded as a change from 1) it decoded below
+    zero in the worker's mirror (-1.9e-4 in training, then NaN evaluations). A reply sends the buffers as float32
+    absolute values, as a push does: both mirrors hold the server's buffers exactly, reply after reply, and a reply
+    has a push's bytes."""
+    parameters, buffers = 1000, 24  # one int8 block: the buffers share the parameters' scale
+    generator = torch.Generator().manual_seed(4)
+    start = torch.cat([torch.zeros(parameters), torch.ones(buffers)])  # running variances start at 1
+    worker = CompressedPushes(codec, start, parameters)
+    server = CompressedReplies(codec, start, parameters, workers=2)
+    for _ in range(2):
+        target = torch.cat([torch.randn(parameters, generator=generator) * 10,
+                            torch.rand(buffers, generator=generator) * 1e-4 + 1e-6])
+        model = worker.decode_reply(server.encode_reply(1, target))
+        assert torch.equal(model[parameters:], target[parameters:]), model[parameters:]
+        assert float(model[parameters:].min()) > 0
+        assert torch.equal(model, server.mirrors[1])
+        assert not torch.equal(model[:parameters], target[:parameters])  # the parameters' change is compressed
+    assert server.encode_reply(1, target).numel() == reply_nbytes(parameters, buffers, codec)
+    assert reply_nbytes(parameters, buffers, codec) == push_nbytes(parameters, buffers, codec)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_a_refused_push_leaves_the_residual_owed_to_the_next_accepted_one(codec):
+    """u1 accepted, u2 refused as too stale, u3 accepted (issue 40): the refused update is dropped, and what u1's
+    compression owed travels with u3, so sum of the applied decoded updates + the final residual = u1 + u3."""
+    start, *updates = _vectors(4, seed=5)
+    worker = CompressedPushes(codec, start, PARAMETERS)
+    server = CompressedReplies(codec, start, PARAMETERS, workers=1)
+    applied = torch.zeros(PARAMETERS)
+    for update, accepted in zip(updates, (True, False, True)):
+        wire = worker.encode_push(update)
+        if accepted:
+            applied += server.decode_push(wire)[:PARAMETERS]
+        else:
+            worker.refused()
+    true = updates[0][:PARAMETERS] + updates[2][:PARAMETERS]
+    assert torch.allclose(applied + worker.residual, true, rtol=0, atol=1e-6 * float(true.abs().max()))
+    assert worker.residual.abs().max() > 0

@@ -123,7 +123,7 @@ def test_parameter_server_compresses_pushes_and_replies_as_the_strategy(codec):
         assert torch.equal(protocol.replies.mirrors[rank], protocol.pushes[rank].mirror)
     numel, pushes = sim.replicas[0].get().numel(), steps // push_every
     push = push_nbytes(parameters, numel - parameters, codec) + 32
-    reply = reply_nbytes(numel, codec) + 32
+    reply = reply_nbytes(parameters, numel - parameters, codec) + 32
     assert sim.simulator.network.bytes_sent == [(workers - 1) * pushes * reply] + [pushes * push] * (workers - 1)
 
 

@@ -19,7 +19,8 @@ update is not modelled.
 ``compression`` (``"bf16"`` or ``"int8"``) compresses pushes and replies as the strategy does, with
 :mod:`lightning_dist.algorithms.compressed_pushes`' classes (a worker's residual and mirror, the
 server's mirror per worker) and their bytes; with ``topology="strategy"`` worker 0's local calls stay
-exact, as the strategy's rank 0's.
+exact, as the strategy's rank 0's. A reply says whether the push was applied: a worker whose push
+was too stale keeps the residual owed from its earlier pushes, as the strategy's workers do.
 
 Churn (``topology="server"``, :mod:`lightning_dist.sim.churn`): the server keeps serving. A
 leaving worker's push still on the wire is dropped; the synchronous server's rounds wait for the
@@ -99,6 +100,7 @@ class ParameterServer(Protocol):
         self.rounds = simulation.max_steps // self.push_every
         self.pulled = [initial] * simulation.num_workers
         self.versions = [0] * simulation.num_workers
+        self.applied = [True] * simulation.num_workers  # whether the server applied each worker's last push
         self.published = (self.store.vector.clone(), self.store.version)
         self.server_node = simulation.server if self.topology == "server" else self.server_on_worker
         self.membership = Membership(simulation.present_workers())
@@ -134,8 +136,12 @@ class ParameterServer(Protocol):
             update = pushes.encode_push(update)
         node.send(self.server_node, (update, self.versions[rank]), tag="push", nbytes=self._bytes(update))
         message = yield node.recv(source=self.server_node, tag="pull")
-        vector, version = message.payload
-        replica.set(vector if pushes is None else pushes.decode_reply(vector))
+        vector, version, applied = message.payload
+        if pushes is not None:
+            if not applied:  # too stale: the update is dropped, the residual owed from earlier pushes stays owed
+                pushes.refused()
+            vector = pushes.decode_reply(vector)
+        replica.set(vector)
         # The replica as it now is, in the model's dtype (see push_message).
         self.pulled[rank], self.versions[rank] = replica.get(), version
 
@@ -150,9 +156,10 @@ class ParameterServer(Protocol):
                     check_finite(update, rank)
                 if updates:  # else every worker left before its push arrived: the round changes nothing
                     ordered = [(*updates[rank], rank) for rank in sorted(updates)]
-                    yield from node.execute(self.store.push_round, ordered, kind="aggregate")
+                    outcomes = yield from node.execute(self.store.push_round, ordered, kind="aggregate")
                     self.publish()
-                    for rank in sorted(updates):
+                    for rank, outcome in zip(sorted(updates), outcomes):
+                        self.applied[rank] = outcome.accepted
                         if rank in membership.members:
                             yield from self._reply(node, rank)
                 membership.admit(node, (self.published, round_index), self._admit_bytes)
@@ -166,8 +173,10 @@ class ParameterServer(Protocol):
             update, pulled_version = message.payload
             update = self._decoded(message.source, update)
             check_finite(update, message.source)
-            yield from node.execute(self.store.push, update, pulled_version, message.source, kind="aggregate")
+            outcome = yield from node.execute(self.store.push, update, pulled_version, message.source,
+                                              kind="aggregate")
             self.publish()
+            self.applied[message.source] = outcome.accepted
             yield from self._reply(node, message.source)
 
     @property
@@ -176,7 +185,8 @@ class ParameterServer(Protocol):
         return self._bytes(self.published[0])
 
     def _bytes(self, vector: Tensor) -> int:
-        """A push's or reply's bytes: the vector and its version (8 bytes), or the strategy's header."""
+        """A push's or reply's bytes: the vector and its version (8 bytes; a reply's applied-or-refused status rides in
+        that word, as in the strategy's header), or the strategy's header."""
         return vector.nbytes + (self.header_bytes or 8)
 
     def _decoded(self, rank: int, update: Tensor) -> Tensor:
@@ -184,12 +194,12 @@ class ParameterServer(Protocol):
         return update if rank not in self.pushes else self.replies.decode_push(update)
 
     def _reply(self, node: Node, rank: int) -> Program:
-        """Send the published model to ``rank`` (compressed against its mirror if ``rank`` compresses); the strategy's
-        server thread waits for the send to finish."""
+        """Send the published model to ``rank`` (compressed against its mirror if ``rank`` compresses) and whether its
+        push was applied; the strategy's server thread waits for the send to finish."""
         vector, version = self.published
         if rank in self.pushes:
             vector = self.replies.encode_reply(rank, vector)
-        sent = node.send(rank, (vector, version), tag="pull", nbytes=self._bytes(vector))
+        sent = node.send(rank, (vector, version, self.applied[rank]), tag="pull", nbytes=self._bytes(vector))
         if self.topology == "strategy":
             yield sent
 
