@@ -4,9 +4,10 @@ The baselines a DDP user turns on first on a slow network (``benchmarks/language
 real hooks of ``torch.distributed.algorithms.ddp_comm_hooks``); the simulator needs their math and
 bytes for workers that all live in one process:
 
-- ``fp16`` (``default_hooks.fp16_compress_hook``): every rank divides its gradient by the number
-  of ranks and casts it to float16; the all-reduce sums those in float16; every rank casts the sum
-  back. :func:`fp16_mean`.
+- ``fp16`` (``default_hooks.fp16_compress_hook``): every rank casts its gradient to float16, then
+  divides it by the number of ranks in float16 (``buffer.to(torch.float16).div_(world_size)``, in that
+  order: a gradient beyond float16's largest finite value, 65504, is infinite before the division);
+  the all-reduce sums those in float16; every rank casts the sum back. :func:`fp16_mean`.
 - PowerSGD (Vogels et al., NeurIPS 2019, Algorithm 1 with error feedback and warm start, as
   ``powerSGD_hook`` runs it): each gradient matrix ``M_i`` (a parameter's gradient viewed as
   ``shape[0] x rest``, plus the rank's error ``e_i``) is approximated by a rank-``r`` product
@@ -34,13 +35,14 @@ FLOAT16 = 2
 
 
 def fp16_mean(gradients: Sequence[Sequence[Tensor]]) -> list[Tensor]:
-    """``fp16_compress_hook``'s result: per parameter, ``sum_i fp16(g_i / m)`` in float16, back in the gradients' dtype."""
+    """``fp16_compress_hook``'s result: per parameter, ``sum_i fp16(g_i) / m`` in float16 (each term cast, then
+    divided, rounded as the hook rounds it), summed in worker order, back in the gradients' dtype."""
     workers = len(gradients)
     means = []
     for parts in zip(*gradients):
         total = torch.zeros_like(parts[0], dtype=torch.float16)
         for part in parts:
-            total += (part / workers).to(torch.float16)
+            total += part.to(torch.float16, copy=True).div_(workers)
         means.append(total.to(parts[0].dtype))
     return means
 
