@@ -19,13 +19,26 @@ member order):
 - **gather** (once, when balancing ends with a partial set): each owner sends its chunk of the
   mean to every other member.
 
-Cost per member: the reduce sends and receives ``(|B| - 1) / |B|`` of a model (a previous owner
-sends only its partial sum, ``1 / |B_previous|`` of one), the gather the same again: about two
-model sizes however large ``B`` is, as a bandwidth-optimal all-reduce among the members would.
-When the set grows, each earlier round also made its owners receive their share of the ranks it
-added (``2 |B|`` models over ``3 |B|`` owners: 2/3 of a model per round, and DynamicHedgeSync has
-at most ``log_3(m / 2)`` rounds). No rank carries more; ranks outside the set send nothing but
-the 8-byte distances.
+Cost per member, in model sizes (``rho``: the accumulation dtype's bytes over the model's, 2 for
+bfloat16 and float16 models, whose partial sums travel in float32, else 1). One round of a fixed
+set (FedAvg's) is a bandwidth-optimal all-reduce among the members: ``(|B| - 1) / |B|`` of a model
+sent and received in the reduce, the same in the gather. A balancing whose sets grow
+``B_0 < B_1 < ... < B_K`` (DynamicHedgeSync adds ``2 |B_(k-1)|`` ranks in round ``k``, so
+``|B_k| = 3 |B_(k-1)|`` and ``K < log_3(m / (2 |B_0|))``) costs a member added in round ``j`` (a
+violator alone in ``B_0`` counts as added in round 1: the sum of one model is that model, which it
+sends in its own dtype):
+
+- sent: ``(|B_j| - 1) / |B_j|`` of its model in round ``j``, at most ``rho / |B_(k-1)|`` (its chunk
+  of the partial sum) in each later round ``k``, and ``(|B_K| - 1) / |B_K|`` in the gather: less
+  than ``2 + 1.5 rho / |B_j|``;
+- received: ``(|B_0| - 1) / |B_0|`` in round 0 if it is a violator, at most ``2/3 + rho / |B_k|``
+  in each growth round ``k`` it takes part in (its chunk of the ``2 |B_(k-1)|`` added models and of
+  the partial sums), and ``(|B_K| - 1) / |B_K|`` in the gather: about two models plus 2/3 of one
+  per growth round.
+
+At 256 ranks a violator alone whose set grows 1, 3, 9, 27, 81 receives 3.67 model sizes and sends
+1.99 (2.32 for a bfloat16 model), where a coordinator would receive 80 models and send 80. Ranks
+outside the set send nothing but the 8-byte distances.
 
 Why direct pieces rather than a ring or a subgroup all-reduce: a new process group per balancing
 is a collective over all ranks and slow to create on NCCL (and sets change every time); a ring
@@ -109,14 +122,19 @@ def round_pieces(members: Sequence[int], added: Sequence[int], num_elements: int
     ``members`` is the set after the round, ``added`` the ranks the round added (all of ``members``
     in the first round). Added ranks add their whole model; the other members the chunk they own
     since the previous round (of the chunks of ``members`` less ``added``). ``whole_holders`` tells
-    a receiver which pieces arrive in the model's dtype (the others are partial sums).
+    a receiver which pieces arrive in the model's dtype (the others are partial sums, in the
+    accumulation dtype, where a sum of several models needs it to keep the mean rounded once).
+    A previous set of one member (a violator alone) owns the sum of one model, its model: it is a
+    whole holder, whose pieces travel in the model's dtype, exactly, and cost half the bytes of a
+    float32 partial sum for a bfloat16 or float16 model.
     """
     added_set = set(added)
     previous = [member for member in members if member not in added_set]
     holdings: dict[int, tuple[int, int]] = {rank: (0, num_elements) for rank in added}
     if previous:
         holdings.update(chunk_bounds(num_elements, previous))
-    return reduce_pieces(holdings, members, num_elements), added_set
+    whole = added_set | set(previous) if len(previous) == 1 else added_set
+    return reduce_pieces(holdings, members, num_elements), whole
 
 
 def rank_pieces(

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_dist.algorithms.averaging import squared_distance, weighted_average
+from lightning_dist.algorithms.averaging import augment_balancing_set, squared_distance, weighted_average
 from lightning_dist.algorithms.subset_average import (
     PARTIAL,
     WHOLE,
@@ -122,3 +122,71 @@ def test_growing_rounds_keep_every_rank_near_two_models_plus_two_thirds_per_earl
         assert load <= (2 + 2 / 3 * earlier_rounds + 0.01) * model
     assert min(received[rank] for rank in range(9)) > 3 * model  # the first violators pay for both earlier rounds
     assert set(sent) == set(received) == set(range(81))
+
+
+def test_a_violator_alone_sends_its_model_in_its_dtype_when_the_set_grows():
+    """The sum of a set of one is its model: when it grows to 3, the violator sends the new owners their pieces of
+    its model as whole ones (exact in the model's dtype; as a float32 partial sum a bfloat16 model's 2/3 cost 4/3 of
+    it), and the mean is still the exact mean rounded once."""
+    pieces, whole = round_pieces([0, 4, 7], [4, 7], 9)
+    assert whole == {0, 4, 7}
+    sent, received = _load([[4], [0, 4, 7]], 9, torch.bfloat16)
+    assert sent[4] == (6 + 3 * 2) * 2  # its 6 entries in the others' chunks, then its chunk of the mean to both
+    models = {rank: model.to(torch.bfloat16) for rank, model in _unequal_models([0, 4, 7], 90, seed=2).items()}
+    mean, _ = average_subset(models, [[4], [0, 4, 7]], torch.zeros(90, dtype=torch.bfloat16))
+    assert torch.equal(mean, (sum(model.double() for model in models.values()) / 3).to(torch.bfloat16))
+
+
+def _grown_sets(violators, ranks, rounds, seed):
+    """DynamicHedgeSync's sets from ``violators`` among ``ranks``: each round adds 2 |B| random ranks."""
+    generator = torch.Generator().manual_seed(seed)
+    sets = [sorted(violators)]
+    for _ in range(rounds):
+        added, full = augment_balancing_set(sets[-1], ranks, generator)
+        assert not full
+        sets.append(sorted(sets[-1] + added))
+    return sets
+
+
+def _bound(sets, member, ratio):
+    """The bound DynamicAveragingStrategy's docstring states (algorithms/subset_average.py): ``(sent, received)``
+    model sizes of ``member``, ``ratio`` the accumulation dtype's bytes over the model's. A member added in round
+    ``j`` (a violator alone in the first set counts as added in round 1: its sum is its model) sends
+    ``(|B_j| - 1) / |B_j|`` there, at most ``ratio / |B_(k-1)|`` in each later round ``k`` and
+    ``(|B_K| - 1) / |B_K|`` in the gather. It receives ``(|B_0| - 1) / |B_0|`` in the first round if a violator,
+    at most ``2/3 + ratio / |B_k|`` in each growth round ``k`` it takes part in, and ``(|B_K| - 1) / |B_K|`` in the
+    gather."""
+    sizes = [len(members) for members in sets]
+    joined = next(index for index, members in enumerate(sets) if member in members)
+    gather = (sizes[-1] - 1) / sizes[-1]
+    received = (sizes[0] - 1) / sizes[0] * (joined == 0) + sum(2 / 3 + ratio / sizes[k]
+                                                                for k in range(max(joined, 1), len(sizes))) + gather
+    if joined == 0 and sizes[0] == 1 and len(sizes) > 1:
+        joined = 1
+    sent = (sizes[joined] - 1) / sizes[joined] + sum(ratio / sizes[k - 1] for k in range(joined + 1, len(sizes)))
+    return sent + gather, received
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("violators", "rounds", "seed"), [([17], 4, 0), ([3, 200], 3, 1), ([5], 1, 2), ([9], 0, 3)])
+def test_every_members_bytes_stay_within_the_stated_bound(dtype, violators, rounds, seed):
+    """Sets grown among 256 learners as DynamicHedgeSync grows them (1 -> 3 -> 9 -> 27 -> 81 and 2 -> 6 -> 18 -> 54),
+    a model of 4,374 entries (every chunk the same size): what every member sends and receives by the plan is within
+    the stated bound, some member sends exactly its bound, and the numbers the docstrings quote hold: a violator
+    alone at 256 learners (sets 1 to 81) receives 3.67 model sizes and sends 1.99 (2.32 for bfloat16)."""
+    numel = 2 * 81 * 27
+    sets = _grown_sets(violators, 256, rounds, seed)
+    model = numel * torch.empty((), dtype=dtype).element_size()
+    ratio = 4 / torch.empty((), dtype=dtype).element_size()
+    sent, received = _load(sets, numel, dtype)
+    bounds = {member: _bound(sets, member, ratio) for member in sets[-1]}
+    for member, (bound_sent, bound_received) in bounds.items():
+        assert sent.get(member, 0) <= bound_sent * model + 1e-9
+        assert received.get(member, 0) <= bound_received * model + 1e-9
+    if len(sets[-1]) > 1:
+        assert max(sent[member] / (bounds[member][0] * model) for member in sets[-1]) == pytest.approx(1)
+    if rounds == 4:
+        first = violators[0]
+        assert received[first] / model == pytest.approx(3.67 if dtype == torch.float32 else 3.68, abs=0.005)
+        assert sent[first] / model == pytest.approx(1.99 if dtype == torch.float32 else 2.32, abs=0.005)
+    assert set(sent) <= set(sets[-1]) and set(received) <= set(sets[-1])
