@@ -138,6 +138,26 @@ def sync_probe_bytes(sync_bytes: int) -> int:
     return max(min(sync_bytes // SYNC_PROBE_PARTS, SYNC_PROBE_MAX_BYTES), 1)
 
 
+def sync_probe(
+    numel: int, ranks_per_learner: int, element_size: int, sync_bytes: Callable[[int], int]
+) -> tuple[int, float]:
+    """The probe every rank all-reduces while ``Delta`` is measured: ``(elements, parts)``, ``elements`` entries of
+    ``element_size`` bytes (:func:`sync_probe_bytes` of a synchronization, rounded down to whole entries, at least
+    one) and ``parts``, a full synchronization's bytes over the probe's (:func:`estimated_sync_seconds`).
+
+    ``numel``: the model's entries; ``ranks_per_learner``: ``L``, the ranks of a learner (1, or a node's under
+    ``hierarchy="node"``, where local rank ``j`` carries chunk ``j`` of every exchange and the ``L`` slice groups
+    synchronize at once); ``sync_bytes(n)``: what a full synchronization sends for ``n`` entries (the accumulated
+    sum, or compressed deltas). The synchronization lasts as long as its largest chunk, ``ceil(numel / L)``
+    entries, so that chunk is probed, on every rank. The result depends on nothing a rank holds alone (the chunks
+    differ by one entry): every rank computes the same ``parts``, so :func:`probed_period` gives every rank the
+    same period, which decides at which steps all ranks meet in collectives.
+    """
+    chunk_bytes = sync_bytes(-(-numel // ranks_per_learner))
+    elements = max(sync_probe_bytes(chunk_bytes) // element_size, 1)
+    return elements, chunk_bytes / (elements * element_size)
+
+
 def estimated_sync_seconds(latency_seconds: float, probe_seconds: float, parts: float = SYNC_PROBE_PARTS) -> float:
     """A full synchronization's time from two probes: an all-reduce of 8 bytes (``latency_seconds``) and one of
     ``1 / parts`` of the model's bytes (``probe_seconds``).

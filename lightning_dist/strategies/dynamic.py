@@ -19,7 +19,7 @@ from lightning_dist.algorithms.averaging import (
     plan_balancing,
     probed_period,
     squared_distance_sum,
-    sync_probe_bytes,
+    sync_probe,
 )
 from lightning_dist.algorithms.compression import encoded_chunks_nbytes
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
@@ -46,20 +46,27 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
     each owns a chunk of the running sum, the ranks a round adds send each owner their piece of it,
     the owners measure their chunks of the mean against ``r`` (8 bytes per rank decide the round),
     and once the mean lies within the threshold each owner sends its chunk of the mean to the other
-    members. A member sends and receives about two model sizes however large ``B`` is; ranks
+    members. A member sends less than ``2 + 1.5 rho / |B_j|`` model sizes per balancing (``B_j`` the set that
+    added it; ``rho`` is 2 for bfloat16 and float16 models, whose partial sums travel in float32, else 1) and
+    receives about two plus, in each growth round it takes part in, at most ``2/3 + rho / |B_k|`` (its chunk of the
+    ``2 |B_(k-1)|`` added models and of the partial sums): at 256 learners a violator alone whose set grows 1, 3, 9,
+    27, 81 receives 3.67 model sizes (the bound in full: :mod:`lightning_dist.algorithms.subset_average`); ranks
     outside ``B`` send only their distances.
 
     The threshold. ``divergence_threshold`` is paper 004's absolute ``Delta`` (squared L2 over all
     flattened parameters); the authors' MNIST scripts used 0.1 to 1.0 for small CNNs, which is orders
     of magnitude off for other models (a 1.3M-parameter transformer drifts by 7 in 10 steps). So by
     default (None) the run measures it. After its first step every rank times two probe
-    all-reduces, of 8 bytes and of an eighth of the model's bytes (at most 64 MiB), which give a full
+    all-reduces, of 8 bytes and of an eighth of a rank's bytes in a full synchronization (at most
+    64 MiB; under ``hierarchy="node"`` of the largest chunk a rank carries, so every rank probes the same
+    size: :func:`~lightning_dist.algorithms.averaging.sync_probe`), which give a full
     synchronization's time (:func:`~lightning_dist.algorithms.averaging.estimated_sync_seconds`);
-    at the first check the ranks share those times and their mean step time (one all-gather) and
+    at the first check after that step (the second step with ``check_every=1``: a step must have been
+    timed) the ranks share those times and their mean step time (one all-gather) and
     pick the period: the shortest multiple of ``check_every``, at most ``calibration_steps``, over
     which a synchronization costs at most ``sync_overhead`` times the computing
     (:func:`~lightning_dist.algorithms.averaging.probed_period`). The replicas train alone for that
-    many steps; the mean of their ``||f_i - r||^2`` then becomes ``Delta`` and a full
+    many steps (to that check if it comes later); the mean of their ``||f_i - r||^2`` then becomes ``Delta`` and a full
     synchronization starts the dynamic protocol. ``Delta`` is the divergence of the periodic
     protocol worth running on this network, which paper 004's Theorem 5 says dynamic averaging
     matches with less communication: on a slow network (or a large model) the period is long and
@@ -195,8 +202,11 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
 
     def _calibrate(self, step: int) -> None:
         """While ``Delta`` is to be measured (class docstring): probe after this process's first step, choose the
-        period at the first check, and once the replicas have trained alone for it, measure ``Delta`` (one
-        all-gather of the distances) and run the full synchronization that starts the protocol."""
+        period at the first check after it (a check at which at least one step has been timed: with
+        ``check_every=1``, or a resume at a check, the first step is a check too, and its step time would be
+        undefined), and once the replicas have trained alone for it, measure ``Delta`` (one all-gather of the
+        distances) and run the full synchronization that starts the protocol. Whether to choose depends on step
+        numbers alone, the same on every rank, as the choice's all-gather needs."""
         if self._clock is None:
             if self._calibration_period is None:
                 self._probes = self._probe()
@@ -204,6 +214,8 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         if step % self.check_every != 0:
             return
         if self._calibration_period is None:
+            if step == self._clock[0]:
+                return
             self._calibration_period = self._choose_period(step)
         trained_alone = step - self._reference_step
         if trained_alone < self._calibration_period:
@@ -217,31 +229,36 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         self._full_sync()
 
     def _probe(self) -> tuple[float, float]:
-        """This rank's times of an 8-byte all-reduce and of one of :func:`sync_probe_bytes` of a full
-        synchronization's (after an untimed 8-byte one that lines the ranks up). The values read back make the
-        time include an accelerator's work."""
+        """This rank's times of an 8-byte all-reduce and of the probe of :func:`sync_probe` (after an untimed 8-byte
+        one that lines the ranks up). The values read back make the time include an accelerator's work. The probe
+        is sized from the model and the ranks per learner, the same on every rank (under a hierarchy from the
+        largest chunk, not this rank's), so every rank takes the same ``parts`` into :meth:`_choose_period`."""
         vector = self.model_vector  # sizes only: no flat copy of the model
-        dtype = accumulation_dtype(vector.dtype)
-        element_size = accumulated_nbytes(1, vector.dtype)
-        numel = self.learner_numel()  # what this rank carries in a synchronization
-        sync_bytes = (accumulated_nbytes(numel, vector.dtype) if self.compression is None
-                      else encoded_chunks_nbytes(numel, self.learners.world_size, self.compression))
-        probe_elements = max(sync_probe_bytes(sync_bytes) // element_size, 1)
-        probe = torch.zeros(probe_elements, dtype=dtype, device=self.root_device)
-        self._probe_parts = sync_bytes / (probe_elements * element_size)
+        learners, compression = self.learners, self.compression
+
+        def sync_bytes(numel: int) -> int:  # what a rank carrying numel entries sends in a full synchronization
+            return (accumulated_nbytes(numel, vector.dtype) if compression is None
+                    else encoded_chunks_nbytes(numel, learners.world_size, compression))
+
+        probe_elements, self._probe_parts = sync_probe(
+            vector.numel, self.comm.world_size // learners.world_size, accumulated_nbytes(1, vector.dtype), sync_bytes
+        )
+        probe = torch.zeros(probe_elements, dtype=accumulation_dtype(vector.dtype), device=self.root_device)
         small = torch.zeros(1, dtype=torch.float64, device=self.root_device)
-        self.learners.all_reduce_sum_(small, "protocol")
+        learners.all_reduce_sum_(small, "protocol")
         times = []
         for tensor in (small, probe):
             started = time.perf_counter()
-            float(self.learners.all_reduce_sum_(tensor, "protocol")[0])
+            float(learners.all_reduce_sum_(tensor, "protocol")[0])
             times.append(time.perf_counter() - started)
         return times[0], times[1]
 
     def _choose_period(self, step: int) -> int:
-        """The period every rank takes (:func:`probed_period` of the all-gathered probe and step times)."""
-        first_step, started = self._clock if self._clock is not None else (step, math.nan)
-        step_seconds = (time.perf_counter() - started) / (step - first_step) if step > first_step else math.nan
+        """The period every rank takes (:func:`probed_period` of the all-gathered probe and step times, and of
+        ``parts``, the same on every rank); ``step`` comes after the clock's first step."""
+        assert self._clock is not None and step > self._clock[0]
+        first_step, started = self._clock
+        step_seconds = (time.perf_counter() - started) / (step - first_step)
         local = torch.tensor([*self._probes, step_seconds], dtype=torch.float64, device=self.root_device)
         rows = self.comm.all_gather(local, purpose="protocol").view(self.comm.world_size, -1).tolist()
         periods = calibration_periods(self.check_every, self.calibration_steps)
@@ -252,7 +269,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         rank_zero_info(
             f"{type(self).__name__}: Delta will be the replicas' drift over {period} local steps: of "
             f"{periods[0]}-{periods[-1]}, the shortest in which a full synchronization (probed: {min(latency):.3g} s "
-            f"for 8 bytes, {min(probe):.3g} s for 1/{parts:.3g} of the model) costs at most "
+            f"for 8 bytes, {min(probe):.3g} s for 1/{parts:.3g} of a rank's synchronization) costs at most "
             f"sync_overhead={self.sync_overhead:g} of the computing ({sum(steps) / len(steps):.3g} s a step), "
             "else the longest"
         )

@@ -10,6 +10,7 @@ from lightning_dist.algorithms.averaging import (
     calibration_period,
     estimated_sync_seconds,
     probed_period,
+    sync_probe,
     sync_probe_bytes,
     augment_balancing_set,
     balance_models,
@@ -101,6 +102,20 @@ def test_the_probe_is_an_eighth_of_a_synchronization_and_at_most_64_mib():
     assert sync_probe_bytes(800) == 100
     assert sync_probe_bytes(4 * 10**9) == 64 << 20  # a billion float32 parameters: 64 MiB, not 500 MB
     assert sync_probe_bytes(3) == 1
+
+
+def test_the_probe_is_sized_from_the_largest_chunk_of_a_learner():
+    """Under a hierarchy of L ranks per learner every rank probes from the largest chunk, ceil(numel / L) entries:
+    1,000,003 float32 entries on 4 ranks are chunks of 250,001 (ranks 0-2) and 250,000 (rank 3), and every rank
+    probes 31,250 entries, an eighth of 250,001 * 4 bytes rounded down to whole entries (parts 8.000032, where rank
+    3's own chunk gave 8.0). A chunk smaller than 8 entries probes one entry; a billion entries cap at 64 MiB."""
+    def float32(numel):
+        return 4 * numel
+
+    assert sync_probe(1_000_003, 4, 4, float32) == (31_250, 1_000_004 / 125_000)
+    assert sync_probe(1_000_003, 1, 4, float32) == (125_000, 4_000_012 / 500_000)
+    assert sync_probe(7, 4, 4, float32) == (1, 2.0) and sync_probe(1, 4, 4, float32) == (1, 1.0)
+    assert sync_probe(10**9, 1, 4, float32) == ((64 << 20) // 4, 4 * 10**9 / (64 << 20))
 
 
 def test_probed_period_takes_the_mean_step_and_the_fastest_probes():

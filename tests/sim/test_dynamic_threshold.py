@@ -108,13 +108,16 @@ def test_the_first_synchronisation_is_a_full_one_at_calibration_steps_with_delta
 
 def probed_sync_seconds(model_bytes):
     """The full synchronisation's time the strategy topology's probes give (ring all-reduces of 8 bytes and of an
-    eighth of the model, ``2 (W - 1) (bytes / W / rate + latency)`` each; estimated_sync_seconds by hand)."""
+    eighth of the model in whole float32 entries, ``2 (W - 1) (bytes / W / rate + latency)`` each;
+    estimated_sync_seconds by hand)."""
     rate = MBIT * MEGABIT
 
     def ring(nbytes):
         return 2 * (WORKERS - 1) * (nbytes / WORKERS / rate + LATENCY)
 
-    return 8 * ring(model_bytes // 8) - 7 * ring(8)
+    probe = model_bytes // 8 // 4 * 4
+    parts = model_bytes / probe
+    return parts * ring(probe) - (parts - 1) * ring(8)
 
 
 def test_the_period_is_the_shortest_whose_probed_synchronisation_costs_at_most_sync_overhead_of_its_steps():
@@ -153,7 +156,7 @@ def test_with_sync_overhead_delta_is_the_mean_drift_over_the_chosen_period(topol
     assert protocol.threshold == pytest.approx(sum(drifts(entering, initial, size)) / WORKERS, rel=1e-12)
     assert protocol.counts == {"checks": 1, "violations": 0, "full_syncs": 1, "partial_syncs": 0}
     model_bytes = initial.nbytes
-    probe = model_bytes // 8
+    probe = model_bytes // 8 // 4 * 4  # whole float32 entries, as the strategy's probe tensor holds
     if topology == "server":
         report = model_bytes + 8
         sent = [8 + probe + report] * WORKERS + [WORKERS * (8 + probe + report)]
@@ -163,6 +166,25 @@ def test_with_sync_overhead_delta_is_the_mean_drift_over_the_chosen_period(topol
     if period == CALIBRATION:
         totals = sim.simulator.network.bytes_sent if topology == "server" else [sum(sim.simulator.network.bytes_sent)]
         assert totals == sent
+
+
+@pytest.mark.parametrize("topology", ["server", "strategy"])
+def test_with_check_every_1_the_period_is_chosen_once_a_step_was_timed(topology):
+    """check_every=1: a worker's clock starts after its step 1, itself a check. Chosen there, its step time was NaN
+    and the longest period (4) was taken whatever sync_overhead; an overhead every synchronisation meets takes 1,
+    chosen at step 2, whose check is the calibration check: Delta is the mean drift there, counted as the first check
+    (the strategy's rule, tests/strategies/test_dynamic_calibration.py)."""
+    protocol = Recorded(check_every=1, calibration_steps=4, sync_overhead=1e12, topology=topology)
+    sim = simulation(protocol, workers=WORKERS, max_steps=3, network=ONE_LANE,
+                     speed=SpeedModel(step_seconds=STEP, aggregate_seconds=AGGREGATE))
+    initial = ModelVector(sim.model).get()
+    sim.run()
+    size = sim.replicas[0].vector.num_parameters
+    assert protocol.calibration_period == 1
+    entering = [protocol.before[2, rank] for rank in range(WORKERS)]
+    assert protocol.threshold == pytest.approx(sum(drifts(entering, initial, size)) / WORKERS, rel=1e-12)
+    assert all(torch.equal(protocol.after[2, rank], weighted_average(entering)) for rank in range(WORKERS))
+    assert protocol.counts["checks"] == 2 and protocol.counts["full_syncs"] >= 1
 
 
 class Placed(Recorded):

@@ -12,8 +12,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dist.algorithms.averaging import accumulated_nbytes
-from lightning_dist.sim import DataParallel, NetworkModel, PeriodicAveraging, Simulation, SpeedModel, make_protocol
+from lightning_dist.algorithms.averaging import accumulated_nbytes, sync_probe
+from lightning_dist.sim import (
+    DataParallel, DynamicAveraging, NetworkModel, PeriodicAveraging, Simulation, SpeedModel, make_protocol,
+)
+from lightning_dist.sim.collectives import Collectives
 from lightning_dist.sim.network_model import ring_all_gather_seconds, ring_all_reduce_seconds
 from lightning_dist.sim.replica import NodeReplica, Replica
 from sim.helpers import simulation
@@ -177,3 +180,50 @@ def test_every_protocol_runs_on_node_learners(name, arguments):
     assert summary["bytes_by_level"]["inter_node"] == summary["bytes"] > 0
     assert summary["bytes_by_level"]["intra_node"] > 0
     assert math.isfinite(result.rows[-1]["val_loss"]) and result.rows[-1]["val_loss"] < result.rows[0]["val_loss"]
+
+
+class OneFarLearner(DynamicAveraging):
+    """At step 2 learner 0 is moved 1.0 away from its reference in every parameter (a squared distance of 8 against
+    Delta = 1.5: it violates, and a set of 3 still may), so the check balances."""
+
+    def after_step(self, node, rank, step):
+        if step == 2 and rank == 0:
+            replica = self.simulation.replicas[0]
+            replica.set(torch.cat([self.references[0] + 1.0, replica.get()[self.references[0].numel():]]))
+        yield from super().after_step(node, rank, step)
+
+
+def recorded_collectives(monkeypatch):
+    """``(kind, key, nbytes)`` of every all-reduce and all-gather node 0 joins from here on (every node joins each)."""
+    joined = []
+    original = Collectives.join
+
+    def join(self, kind, key, index, members, payload, size, combine):
+        if index == 0:
+            joined.append((kind, key[0], size))
+        return original(self, kind, key, index, members, payload, size, combine)
+
+    monkeypatch.setattr(Collectives, "join", join)
+    return joined
+
+
+def test_dynamic_averagings_gathers_and_probes_carry_what_every_slice_group_sends(monkeypatch):
+    """Under a hierarchy each of a node's L ranks gathers the 8-byte distance (and each round's 8-byte decision) over
+    its slice group, and probes in it with the probe of sync_probe (from the largest chunk); the calibration's times
+    are every rank's 24 bytes. The simulator's learner-level collectives carry what the L ranks send together: 8 L,
+    24 L, and L probes (3 ranks per node: nodes of 3 ranks, 8 learners for a balancing set that can stay partial)."""
+    ranks = 3
+    joined = recorded_collectives(monkeypatch)
+    run(OneFarLearner(divergence_threshold=1.5, check_every=2, topology="strategy"), workers=8 * ranks,
+        ranks_per_node=ranks, steps=2)
+    gathers = [(key, size) for kind, key, size in joined if kind == "all_gather"]
+    assert {key for key, _ in gathers} == {"distance", "decision"}
+    assert {size for _, size in gathers} == {8 * ranks}
+    joined.clear()
+    protocol = DynamicAveraging(check_every=2, calibration_steps=4, sync_overhead=1e-12, topology="strategy")
+    run(protocol, workers=2 * ranks, ranks_per_node=ranks, steps=4)
+    elements, parts = sync_probe(8, ranks, 4, lambda numel: accumulated_nbytes(numel, torch.float32))
+    assert protocol.calibration.parts == parts == 3 * 4 / 4  # ceil(8 / 3) float32 entries, probed by one
+    sizes = {key: size for kind, key, size in joined if key != "average"}
+    assert sizes == {"probe": ranks * elements * 4, "calibration": 24 * ranks, "distance": 8 * ranks}
+    assert [size for kind, key, size in joined if key == "probe"] == [8 * ranks, 8 * ranks, ranks * elements * 4]

@@ -31,7 +31,9 @@ that share of the computing, as the strategy chooses it.
 moves, with no coordinator node; every worker meets the others at every check:
 
 - Every worker all-gathers its ``||f_i - r||^2`` (8 bytes, a ring all-gather of all workers), so
-  all learn the violators at the same instant. Without violators everyone trains on.
+  all learn the violators at the same instant. Without violators everyone trains on. Under a
+  hierarchy each of a learner's ``L`` ranks gathers it over its slice group, as the strategy's ranks
+  do: ``8 L`` bytes per learner, and so for every 8-byte gather below.
 - Every worker runs :func:`~lightning_dist.algorithms.averaging.balancing_rounds` with its own copy
   of the shared seeded generator and violation counter, as the strategy's ranks do, and the rounds
   average the set without a hot spot (:mod:`lightning_dist.sim.protocols.subset_average`, the plan
@@ -44,9 +46,10 @@ moves, with no coordinator node; every worker meets the others at every check:
   own violating model).
 - A full synchronisation (forced by the violation counter, or the augmentation reaching half of
   the workers) is one ring all-reduce of all models. A partial set ends with each owner sending
-  its chunk of the mean to every other member. A member sends and receives about
-  ``2 (|B| - 1) / |B|`` model sizes per balancing (a member of an earlier round also its partial
-  sum, ``1 / |B_previous|`` of one, per later round); a non-member only the 8-byte gathers.
+  its chunk of the mean to every other member. A member sends less than ``2 + 1.5 rho / |B_j|``
+  model sizes per balancing and receives about two plus at most ``2/3 + rho / |B_k|`` per growth
+  round (the bound of :mod:`lightning_dist.algorithms.subset_average`); a non-member only the
+  8-byte gathers.
   Virtual time: each phase is timed as the strategy's exchange, and each owner's summing is one
   aggregation (:mod:`lightning_dist.sim.protocols.subset_average`).
 """
@@ -156,16 +159,20 @@ class DynamicAveraging(DynamicCoordinator, Protocol):
         # The Delta each worker checks with: a measured one only once the calibration's result reached it.
         self._thresholds = [self.divergence_threshold] * simulation.num_workers
         self.calibration_period = None
-        model = self.reference_model  # a full synchronisation's bytes: a model to the coordinator, or the all-reduce's
-        if self.topology == "server":
-            model_bytes = model.nbytes
-        elif self.compression is None:
-            model_bytes = accumulated_nbytes(model.numel(), model.dtype)
-        else:
-            model_bytes = encoded_chunks_nbytes(model.numel(), simulation.num_workers, self.compression)
-        self.calibration = Calibration(
-            self.check_every, self.calibration_steps, self.sync_overhead, simulation.num_workers, model_bytes
-        )
+        model = self.reference_model
+        # topology="strategy": a learner's L ranks each carry a slice of every exchange (the 8-byte gathers too).
+        self._slices = simulation.ranks_per_node if simulation.hierarchy and self.topology == "strategy" else 1
+
+        def sync_bytes(numel: int) -> int:  # a full synchronisation's: a model to the coordinator, or the all-reduce's
+            if self.topology == "server":
+                return numel * model.element_size()
+            if self.compression is None:
+                return accumulated_nbytes(numel, model.dtype)
+            return encoded_chunks_nbytes(numel, simulation.num_workers, self.compression)
+
+        element_size = model.element_size() if self.topology == "server" else accumulated_nbytes(1, model.dtype)
+        self.calibration = Calibration(self.check_every, self.calibration_steps, self.sync_overhead,
+                                       simulation.num_workers, model.numel(), element_size, sync_bytes, self._slices)
         self.membership = Membership(simulation.present_workers())
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.compressed = (None if self.compression is None
@@ -230,13 +237,14 @@ class DynamicAveraging(DynamicCoordinator, Protocol):
 
     def _calibrating(self, rank: int, step: int) -> bool:
         """Whether worker ``rank`` still trains alone at ``step``: it has no ``Delta`` yet (one to be measured) and
-        ``step`` comes before its calibration check (after ``calibration_steps``, or the period it chose)."""
+        ``step`` comes before its calibration check (``calibration_steps``, or the first check at or after the
+        period it chose)."""
         return self._thresholds[rank] is None and self.calibration.trains_alone(rank, step)
 
     def _check_number(self, step: int) -> int:
-        """The checks made up to the one at ``step``: from ``check_every`` on, or from ``calibration_steps`` on
-        when ``Delta`` is measured (the calibration check included, as the strategy counts them)."""
-        first = self.check_every if self.divergence_threshold is not None else self.calibration.period
+        """The checks made up to the one at ``step``: from ``check_every`` on, or from the calibration check on
+        when ``Delta`` is measured (it included, as the strategy counts them)."""
+        first = self.check_every if self.divergence_threshold is not None else self.calibration.check_step
         return (step - first) // self.check_every + 1
 
     def _pending_request(self, node: Node, rank: int) -> bool:
@@ -282,7 +290,7 @@ class DynamicAveraging(DynamicCoordinator, Protocol):
         workers = list(range(self.simulation.num_workers))
         local = self.simulation.replicas[rank].get()
         distance = squared_distance(self._parameters(local), self.references[rank])
-        distances = yield from node.all_gather(("distance", check), workers, distance, nbytes=8)
+        distances = yield from node.all_gather(("distance", check), workers, distance, nbytes=8 * self._slices)
         non_finite = [worker for worker, value in enumerate(distances) if not math.isfinite(value)]
         if non_finite:
             raise NonFiniteModelError(f"workers {non_finite} have non-finite models; refusing to average them")
@@ -340,7 +348,7 @@ class DynamicAveraging(DynamicCoordinator, Protocol):
         """Whether the mean of the balancing set lies within ``Delta``: every worker all-gathers its 8-byte share
         of the distance (the owners' chunks, 0 elsewhere), and all add them up in worker order."""
         share = balancing.share(self.references[rank])
-        shares = yield from node.all_gather(("decision", *key), workers, share, nbytes=8)
+        shares = yield from node.all_gather(("decision", *key), workers, share, nbytes=8 * self._slices)
         total = math.fsum(shares)
         return math.isfinite(total) and total <= self._thresholds[rank]
 
