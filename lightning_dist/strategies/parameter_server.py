@@ -79,7 +79,10 @@ class _Channel:
         # Two threads of rank 0 (server and trainer) may answer workers; one send at a time.
         with self._send_lock:
             dist.send(tensor.contiguous(), dst=self.comm.global_rank(dst), group=self.group, tag=tag)
-            self.comm.stats.record("protocol", tensor.numel() * tensor.element_size(), 1)
+            # Under the communicator's level: under hierarchy="node" the group is a slice, one rank per node (node 0's
+            # local rank j serves local rank j of every other node), so every peer is on another node: inter_node.
+            # A flat run's group counts no level. A server's own rank pushes by local calls, sending nothing.
+            self.comm.stats.record("protocol", tensor.numel() * tensor.element_size(), 1, self.comm.level)
 
     def recv_header(self, src: int | None = None) -> tuple[int, list[int]]:
         header = torch.empty(4, dtype=torch.int64)

@@ -325,3 +325,27 @@ def test_downpour_between_nodes_serves_each_part_from_its_shard(two_nodes):
         assert result["error"] is None, result["error"]
         assert torch.equal(result["vector"], one[0]["vector"])
     assert one[0]["metrics"]["downpour/version"] > results[0]["metrics"]["downpour/version"] // 2
+
+
+def test_downpour_between_nodes_counts_every_push_and_reply_as_inter_node(two_nodes):
+    """Issue 40: the transport counted its sends under no level, so inter_node bytes missed DownpourSGD's pushes and
+    replies. Local rank j of node 1 pushes chunk j to the shard on node 0's local rank j and gets it back: a 32-byte
+    header and the chunk in float32 each way per push, and a header when it is done; node 0's ranks push by local
+    calls. The transport's bytes (the summed counters less every rank's own group's) are exactly these, every one
+    between nodes, so its per-level bytes add up to its total."""
+    header = 4 * 8  # kind, rank, version, spare as int64
+    numel = two_nodes["downpour"][0]["vector"].numel()
+    widths = [stop - start for start, stop in chunk_bounds(numel, list(range(RANKS_PER_NODE))).values()]
+    for name in ("downpour", "downpour_sync"):
+        results = two_nodes[name]
+        node_vectors(results)
+        crossed = sum(result["syncs"] * 2 * (header + 4 * widths[local]) + header
+                      for local, result in enumerate(results[RANKS_PER_NODE:]))
+        summed = results[0]["comm"]
+        transport = summed.bytes_sent - sum(result["local_comm"].bytes_sent for result in results)
+        by_level = {level: summed.bytes_by_level[level] - sum(result["local_comm"].bytes_by_level[level]
+                                                              for result in results)
+                    for level in summed.bytes_by_level}
+        assert transport == crossed, name
+        assert by_level == {"intra_node": 0, "inter_node": crossed}, name
+        assert sum(by_level.values()) == transport, name
