@@ -44,6 +44,7 @@ from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.compressed_pushes import CompressedPushes, CompressedReplies, reply_nbytes
 from lightning_dist.algorithms.parameter_server import GlobalModel, check_max_staleness, push_message
 from lightning_dist.comm import CommStats, Communicator, new_group
+from lightning_dist.strategies._downpour_resize import server_shard, whole_server_state
 from lightning_dist.strategies._resize import resized_comm_stats
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 from lightning_dist.strategies.parameter_server import SERVER_RANK, ParameterServer, ParameterServerClient
@@ -54,14 +55,18 @@ _SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 class DownpourSGDStrategy(LocalUpdateStrategy):
     """Asynchronous parameter-server training (DownpourSGD).
 
-    A checkpoint resumed by another number of processes (:mod:`lightning_dist.strategies._resize`)
-    keeps the server's state, which is one model's whoever pushed to it: the global model (in its
-    float32 master), its version and the server's counters (accepted, rejected, staleness); the
-    server stays on rank 0. What belongs to a worker is reset: every rank starts from the
-    checkpoint's model (the global model), as pulled at the server's version with no steps since a
-    push, and the server's per-worker buffer entries are the global model's buffers for each rank now
-    present (a worker's entry before its first push). Rank ``r`` takes saved rank ``r mod m``'s
-    optimizer and RNG states; pushes, rejected pushes and bytes are kept in total.
+    A checkpoint resumed in another layout (another number of processes, or as many cut into other
+    nodes: :mod:`lightning_dist.strategies._resize`) keeps the server's state, which is one model's
+    whoever pushed to it: the server is rebuilt whole from the checkpoint's (the flat server, or the
+    hierarchy's shards) and cut for this run (one server on rank 0, or one shard per local rank of
+    node 0), keeping the global model (in its float32 master), its version and the server's counters
+    (accepted, rejected, staleness) in total (:mod:`lightning_dist.strategies._downpour_resize`).
+    What belongs to a worker is reset: every rank starts from the checkpoint's model (the global
+    model), as pulled at the server's version with no steps since a push, and the server's
+    per-worker buffer entries are the global model's buffers for each learner now present (a
+    worker's entry before its first push). Ranks take saved ranks' optimizer and RNG states
+    (:func:`~lightning_dist.strategies._resize.followed_saved_rank`); pushes, rejected pushes and
+    bytes are kept in total.
 
     Args:
         push_every: optimizer steps between pushes (``n_push`` of paper 000's DownpourSGD, default
@@ -337,28 +342,24 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._restored_server = state["server"]
 
     def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
-        """The server's global model, version and counters kept; its per-worker buffers reset to the global model's
-        for the ranks now present (their mean, the global model's buffers, is unchanged)."""
-        return {**state, "server": self._with_fresh_buffers(state["server"])}
-
-    def _with_fresh_buffers(self, server: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        """``server``'s state with every worker's buffer entry the global model's (one per worker now: a rank, or a
-        node under a hierarchy); None (saved before the server started: it starts from the consensus) stays."""
-        if server is None:
-            return None
-        vector, worker_buffers = server["vector"], server["worker_buffers"]
-        buffers = vector[vector.numel() - worker_buffers.shape[1]:]
-        return {**server, "worker_buffers": buffers.repeat(self.num_learners, 1)}
+        """The saved server as it is: a hierarchical checkpoint holds its other shards in the workers' states, so
+        :meth:`resized_worker_state`, which sees them, rebuilds and re-cuts the server (:mod:`._downpour_resize`)."""
+        return state
 
     def resized_worker_state(self, saved: Sequence[Mapping[str, Any]], written_by: int) -> Mapping[str, Any]:
         """A worker continues from the model it now holds (the checkpoint's), pulled at the server's version, with
-        no steps since a push; its pushes, rejected pushes and bytes on the server's group are kept in total."""
+        no steps since a push; its pushes, rejected pushes and bytes on the server's group are kept in total. Its
+        ``server_shard`` is the server it serves in this layout (:mod:`._downpour_resize`): the whole server rebuilt
+        from the checkpoint's (the protocol's server, loaded just before, or the saved shards) and cut for this run:
+        the whole flat, chunk ``j`` on local rank ``j`` under a hierarchy (used on the ranks that serve)."""
         rank, world_size = self.comm.rank, self.world_size
         pushes, rejected = counters_kept_in_total(
             [[worker["pushes"], worker["rejected_pushes"]] for worker in saved], rank, world_size)
-        if self._hierarchy is not None:
-            self._restored_server = self._resized_shard(saved)
-        server = self._restored_server
+        whole = whole_server_state(self._restored_server, saved, self.model_vector.numel, self.num_learners)
+        if self._hierarchy is None:
+            server = server_shard(whole, 1, 0)
+        else:
+            server = server_shard(whole, self._hierarchy.node.world_size, self._hierarchy.node.rank)
         return {
             "pulled": self.learner_part(self.model_vector.get()).cpu(),
             "pulled_version": 0 if server is None else int(server["version"]),
@@ -366,24 +367,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             "rejected_pushes": rejected,
             "pushes": pushes,
             "ps_comm": resized_comm_stats([worker["ps_comm"] for worker in saved], rank, world_size).state_dict(),
+            "server_shard": server,
         }
-
-    def _resized_shard(self, saved: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-        """Under a hierarchy at another number of nodes: the server shard of this rank's local rank as saved (by the
-        saved node 0's rank of that local rank), with fresh per-node buffers. The shards are cut per local rank, so
-        the number of ranks per node must stay."""
-        assert self._hierarchy is not None
-        saved_per_node = 1 + max(int(worker["local_rank"]) for worker in saved)
-        if saved_per_node != self._hierarchy.node.world_size:
-            raise ValueError(
-                f"DownpourSGDStrategy with hierarchy='node' resumes at another number of nodes only with the same "
-                f"devices per node (its server is sharded per local rank): the checkpoint has {saved_per_node} ranks "
-                f"per node, this run {self._hierarchy.node.world_size}"
-            )
-        local = self._hierarchy.node.rank
-        shard = next((worker["server_shard"] for worker in saved
-                      if int(worker["local_rank"]) == local and worker.get("server_shard") is not None), None)
-        return self._with_fresh_buffers(shard)
 
     def worker_state_dict(self) -> dict[str, Any]:
         ps_stats = self._ps_comm.stats.state_dict() if self._ps_comm is not None else None
@@ -408,7 +393,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         self._syncs = int(state.get("pushes", self._syncs))  # per rank: ranks push at their own pace
         if state.get("ps_comm") is not None:
             self._require_ps_comm().stats = CommStats.from_state_dict(state["ps_comm"])
-        if state.get("server_shard") is not None:  # a shard's server rank under a hierarchy: its own shard
+        if "server_shard" in state:  # under a hierarchy the rank's own shard; re-cut in another layout
             self._restored_server = state["server_shard"]
 
     def compression_state_dict(self) -> dict[str, Any] | None:

@@ -87,7 +87,7 @@ def test_downpour_keeps_the_server_and_resets_its_per_worker_buffers():
     buffers (the server's buffers are the mean of the entries, so unchanged), and the next push replaces one entry:
     buffers = mean(pushed, global's) as for a worker's first push in a new run."""
     from lightning_dist.algorithms.parameter_server import GlobalModel, push_message
-    from lightning_dist.strategies import DownpourSGDStrategy
+    from lightning_dist.strategies._downpour_resize import whole_server_state
 
     start = torch.tensor([1.0, 2.0, 10.0, 20.0])  # two parameters, then two buffers
     saved = GlobalModel(start, num_parameters=2, workers=3)
@@ -96,10 +96,10 @@ def test_downpour_keeps_the_server_and_resets_its_per_worker_buffers():
         saved.push(push_message(local, saved.vector, 2), saved.version, rank)
     state = {"server": saved.state_dict()}
     assert not torch.equal(state["server"]["worker_buffers"][0], state["server"]["worker_buffers"][1])
-    resized = DownpourSGDStrategy(parallel_devices=[torch.device("cpu")] * 2).resized_protocol_state(state, 3)
+    workers = [{"pushes": 1, "rejected_pushes": 0} for _ in range(3)]  # flat: no server shards
 
     server = GlobalModel(torch.zeros(4), num_parameters=2, workers=2)
-    server.load_state_dict(resized["server"])
+    server.load_state_dict(whole_server_state(state["server"], workers, numel=4, learners=2))
     assert torch.equal(server.vector, saved.vector) and server.version == saved.version == 3
     assert server.accepted == 3 and server.staleness_max == saved.staleness_max
     assert torch.equal(server.vector[2:], torch.tensor([13.0, 23.0]))  # the three workers' mean
