@@ -12,8 +12,8 @@ any other layout (another world size, or as many processes cut into other nodes)
 2. **Keep** what still means something: the global model (the float32 master), its version (under a
    hierarchy the shards' largest: shards of one synchronous run advance together; in an asynchronous
    one a shard that refused a stale push lags, and the largest lets no shard's version go backwards),
-   and the counters in total (accepted, rejected and the summed staleness added over the saved
-   servers, the largest staleness kept), so the servers' sums go on from the checkpoint's.
+   and the counters (accepted and rejected pushes, staleness): every shard counts every push, so shard
+   0's, the ones the strategy logs, are the whole server's and go on from the checkpoint's.
 3. **Reset** what belongs to the old workers: every worker's buffer entry (BatchNorm statistics) is
    the global model's buffers, one entry per learner now present (a rank, or a node under a
    hierarchy), as a worker's before its first push, so the buffers' mean is unchanged; the reply
@@ -39,8 +39,9 @@ import torch
 
 from lightning_dist.algorithms.subset_average import chunk_bounds
 
-# GlobalModel.state_dict()'s counters that add up over servers; its staleness_max is a maximum.
-_SUMMED = ("accepted", "rejected", "staleness_sum")
+# GlobalModel.state_dict()'s counters: every shard counts every push, so shard 0's (the server on rank 0, whose
+# counters the strategy logs) are the whole server's.
+_COUNTERS = ("accepted", "rejected", "staleness_sum", "staleness_max")
 
 
 def saved_servers(server: Mapping[str, Any] | None,
@@ -86,8 +87,7 @@ def whole_server_state(server: Mapping[str, Any] | None, workers: Sequence[Mappi
         "vector": vector,
         "worker_buffers": vector[numel - num_buffers:].repeat(learners, 1),
         "version": max(int(saved["version"]) for saved in servers),
-        **{key: sum(int(saved[key]) for saved in servers) for key in _SUMMED},
-        "staleness_max": max(int(saved["staleness_max"]) for saved in servers),
+        **{key: int(servers[0][key]) for key in _COUNTERS},
     }
 
 
@@ -100,7 +100,7 @@ def server_shard(whole: Mapping[str, Any] | None, shards: int, index: int) -> di
     start, stop = chunk_bounds(vector.numel(), list(range(shards)))[index]
     first_buffer = vector.numel() - worker_buffers.shape[1]  # the buffers' columns of this chunk, if any
     columns = slice(max(start, first_buffer) - first_buffer, max(stop, first_buffer) - first_buffer)
-    counters = {key: whole[key] if index == 0 else 0 for key in (*_SUMMED, "staleness_max")}
+    counters = {key: whole[key] if index == 0 else 0 for key in _COUNTERS}
     return {
         "vector": vector[start:stop].clone(),
         "worker_buffers": worker_buffers[:, columns].clone(),
