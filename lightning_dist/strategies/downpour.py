@@ -211,18 +211,23 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         assert self._pulled is not None
         local = self.learner_part(self.model_vector.get()).cpu()
         message = push_message(local, self._pulled, self.learner_num_parameters())
-        compressed = self._server is None and self._pushes is not None  # rank 0's own pushes are local calls
-        if self._server is not None:
+        remote = self._server is None  # the server's own worker pushes by a local call: no bytes, its push exact
+        if not remote:
             reply = self._server.push_local(message, self._pulled_version)
         else:
             assert self._client is not None
-            reply = self._client.push(self._pushes.encode_push(message) if compressed else message,
+            reply = self._client.push(self._pushes.encode_push(message) if self._pushes is not None else message,
                                       self._pulled_version)
         if not reply.applied:
             self._rejected_pushes += 1
-            if compressed:  # too stale, at the header or on arrival: the residual owed before it stays owed
+            if remote and self._pushes is not None:  # too stale, at the header or on arrival: the residual stays owed
                 self._pushes.refused()
-        vector = self._pushes.decode_reply(reply.vector) if compressed else reply.vector
+        vector = reply.vector
+        if self._pushes is not None:
+            # Every worker continues from its mirror, the server's own one too (its reply is encoded as a remote
+            # one would be, at no cost in bytes): a synchronous round ends with every replica on one model.
+            encoded = vector if remote else self._server.replies.encode_reply(SERVER_RANK, vector)
+            vector = self._pushes.decode_reply(encoded)
         self.model_vector.set(self.learner_whole(vector.to(self.root_device), "protocol"))
         # What the replica now holds (the float32 reply rounded to the model's dtype), so the next
         # update is exactly the local change and the server's float32 bits are never pushed back.

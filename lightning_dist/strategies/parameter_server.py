@@ -23,7 +23,8 @@ Why this shape:
   worker converts the reply into its model's dtype. With ``compression`` a push is that message
   compressed by the worker and a reply the compressed change since the worker's mirror
   (:mod:`lightning_dist.algorithms.compressed_pushes`): the server decodes pushes and encodes
-  replies; rank 0's own worker calls the server directly, uncompressed, since it sends no bytes.
+  replies; rank 0's own worker calls the server directly and sends no bytes, but continues, as every
+  worker does, from its mirror of the encoded reply (so a synchronous round ends on one model everywhere).
 - Failure: a worker that raises sends ``ABORT``; the server then answers every later request, and
   every worker blocked in a synchronous round, with ``ABORTED`` naming the failed rank, so all
   ranks stop with a clear error instead of waiting forever.

@@ -278,3 +278,32 @@ def in_other_units(module: nn.Module, scale: float) -> nn.Module:
                 getattr(layer, name).mul_(scale)
             parametrize.register_parametrization(layer, name, _Divide(scale))
     return module
+
+
+class TinyVarianceMLP(L.LightningModule):
+    """An MLP a user might write, with what broke last round's options: a BatchNorm on un-normalized inputs of tiny
+    variance (``x * 1e-3``; ``momentum=None`` tracks the cumulative average, so the running variance is about 1e-7
+    from the first step), a frozen parameter (``requires_grad=False``, in the model but never stepped) and Adam.
+    A running variance quantized in an int8 block with the parameters' deltas decodes below zero: NaN evaluation."""
+
+    def __init__(self, num_features: int = 64, num_classes: int = 10, hidden: int = 32, lr: float = 0.01) -> None:
+        super().__init__()
+        self.lr = lr
+        self.norm = nn.BatchNorm1d(num_features, momentum=None)
+        self.hidden = nn.Linear(num_features, hidden)
+        self.frozen_shift = nn.Parameter(torch.linspace(-0.5, 0.5, hidden), requires_grad=False)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.hidden(self.norm(x * 1e-3)) + self.frozen_shift))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True, batch_size=len(y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam((p for p in self.parameters() if p.requires_grad), lr=self.lr)

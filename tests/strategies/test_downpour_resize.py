@@ -126,7 +126,7 @@ def test_the_server_is_rebuilt_whole_and_cut_for_the_new_layout(saved_layout, la
     """The new servers, in shard order, hold the saved global model (the shards' vectors concatenated, the
     checkpoint's consensus), every one at the saved servers' largest version, which every rank pulled; each
     worker's buffer entry, one per learner now present, is the global model's buffers of its chunk; the counters
-    are the saved servers' in total, on the server of rank 0."""
+    are saved shard 0's (every shard counts every push), on the server of rank 0."""
     saved_hierarchy, saved_nodes, saved_per_node = LAYOUTS[saved_layout]
     hierarchy, nodes, per_node = LAYOUTS[layout]
     protocol, workers, saved = saved_checkpoint(*LAYOUTS[saved_layout])
