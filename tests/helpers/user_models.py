@@ -282,14 +282,15 @@ def in_other_units(module: nn.Module, scale: float) -> nn.Module:
 
 class TinyVarianceMLP(L.LightningModule):
     """An MLP a user might write, with what broke last round's options: a BatchNorm on un-normalized inputs of tiny
-    variance (``x * 1e-3``; ``momentum=None`` tracks the cumulative average, so the running variance is about 1e-7
-    from the first step), a frozen parameter (``requires_grad=False``, in the model but never stepped) and Adam.
+    variance (``x * 1e-3``; by default ``momentum=None`` tracks the cumulative average, so the running variance is
+    about 1e-7 from the first step; torch's 0.1 decays to it from 1 over a few hundred steps), a frozen parameter (``requires_grad=False``, in the model but never stepped) and Adam.
     A running variance quantized in an int8 block with the parameters' deltas decodes below zero: NaN evaluation."""
 
-    def __init__(self, num_features: int = 64, num_classes: int = 10, hidden: int = 32, lr: float = 0.01) -> None:
+    def __init__(self, num_features: int = 64, num_classes: int = 10, hidden: int = 32, lr: float = 0.01,
+                 optimizer: str = "adam", momentum: float | None = None) -> None:
         super().__init__()
-        self.lr = lr
-        self.norm = nn.BatchNorm1d(num_features, momentum=None)
+        self.lr, self.optimizer = lr, optimizer
+        self.norm = nn.BatchNorm1d(num_features, momentum=momentum)
         self.hidden = nn.Linear(num_features, hidden)
         self.frozen_shift = nn.Parameter(torch.linspace(-0.5, 0.5, hidden), requires_grad=False)
         self.head = nn.Linear(hidden, num_classes)
@@ -306,4 +307,5 @@ class TinyVarianceMLP(L.LightningModule):
         self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True, batch_size=len(y))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.Adam((p for p in self.parameters() if p.requires_grad), lr=self.lr)
+        trained = (p for p in self.parameters() if p.requires_grad)
+        return torch.optim.Adam(trained, lr=self.lr) if self.optimizer == "adam" else torch.optim.SGD(trained, lr=self.lr)

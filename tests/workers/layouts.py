@@ -3,8 +3,9 @@
 Usage: torchrun ... layouts.py spec.json (tests/helpers/launch.py's ``run_nodes``). Spec: ``cases``, each a dict
 with ``name``, ``strategy`` (a class of ``lightning_dist`` and its kwargs, ``outer`` for DiLoCo's outer
 optimizer), ``checkpoint_dir`` (write a checkpoint after step ``CHECKPOINT_STEP``) or ``ckpt_path`` (resume
-from one). The model is :class:`helpers.user_models.TinyVarianceMLP` (BatchNorm on inputs of tiny variance, a
-frozen parameter, Adam). Each case writes ``<out>/<name>/rank<r>.pt``: its error, or after every optimizer step
+from one), optionally ``max_steps`` and ``model`` (TinyVarianceMLP's arguments). The model is
+:class:`helpers.user_models.TinyVarianceMLP` (BatchNorm on inputs of tiny variance, a frozen parameter, Adam).
+Each case writes ``<out>/<name>/rank<r>.pt``: its error, or after every optimizer step
 this rank's model before and after the protocol ran and the strategy's synchronization counters (the first
 entry of ``counters`` as the fit started).
 """
@@ -81,10 +82,10 @@ def fit(case: dict, out: Path) -> None:
             accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
             num_nodes=int(os.environ["GROUP_WORLD_SIZE"]), strategy=strategy, logger=False, enable_progress_bar=False,
             enable_model_summary=False, enable_checkpointing=bool(case.get("checkpoint_dir")), callbacks=callbacks,
-            num_sanity_val_steps=0, deterministic=True, max_steps=MAX_STEPS, limit_train_batches=BATCHES_PER_EPOCH,
-            limit_val_batches=2,
+            num_sanity_val_steps=0, deterministic=True, max_steps=case.get("max_steps", MAX_STEPS),
+            limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=2,
         )
-        trainer.fit(TinyVarianceMLP(), datamodule=DigitsDataModule(partition="class_sorted"),
+        trainer.fit(TinyVarianceMLP(**case.get("model", {})), datamodule=DigitsDataModule(partition="class_sorted"),
                     ckpt_path=case.get("ckpt_path"))
     except Exception as exc:  # reported to the test, which asserts on it
         result["error"] = f"{type(exc).__name__}: {exc}"
