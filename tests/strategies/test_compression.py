@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.launch import run_case_ranks
-from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
+from lightning_dist.algorithms.compression import compressed_model_mean, encoded_nbytes
 from lightning_dist.algorithms.subset_average import chunk_bounds
 
 WORLD = 3
@@ -28,33 +28,38 @@ def synchronizations(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["int8", "bf16", "int8_bf16_model"])
 def test_ranks_agree_bit_for_bit_on_the_definitions_mean_with_exact_bytes(synchronizations, case):
-    """Every synchronization: every rank holds the same model, the common model plus compressed_mean's applied
-    update (the same residuals carried from one synchronization to the next), bit for bit; each rank sent the
-    1-byte finiteness flag to each other rank, its compressed pieces of the other chunks and its compressed chunk
-    of the mean to each other rank."""
+    """Every synchronization: every rank holds the same model, bit for bit, compressed_model_mean's: the common model's
+    parameters plus compressed_mean's applied update (the same residuals carried from one synchronization to the
+    next), bit for bit, and the 3-element buffer's exact mean (to float32 rounding: Gloo sums in its own order); each rank sent the 1-byte finiteness flag to each other rank, its
+    compressed pieces of the other chunks, its compressed chunk of the mean to each other rank, and its share of the
+    buffers' float32 all-reduce."""
     results = synchronizations[case]
     for result in results:
         assert result["error"] is None, result["error"]
     codec, start = CASES[case]["codec"], results[0]["start"]
-    numel = start.numel()
-    bounds = chunk_bounds(numel, list(range(WORLD)))
-    worker = [torch.zeros(numel) for _ in range(WORLD)]
+    numel, num_parameters = start.numel(), CASES[case]["dim"]
+    bounds = chunk_bounds(num_parameters, list(range(WORLD)))
+    worker = [torch.zeros(num_parameters) for _ in range(WORLD)]
     owner = [torch.zeros(stop - begin) for begin, stop in bounds.values()]
     common = start
     for sync in range(CASES[case]["syncs"]):
         locals_ = [(common.float() + result["deltas"][sync, rank]).to(start.dtype) for rank, result in enumerate(results)]
-        applied, worker, owner = compressed_mean([local.float() - common.float() for local in locals_], worker, owner, codec)
-        expected = (common.float() + applied).to(start.dtype)
+        expected, worker, owner = compressed_model_mean(locals_, common, num_parameters, worker, owner, codec)
         for rank, result in enumerate(results):
-            assert torch.equal(result["means"][sync], expected), (sync, rank)
+            mean = result["means"][sync]
+            assert torch.equal(mean, results[0]["means"][sync]), (sync, rank)  # every rank the same bits
+            assert torch.equal(mean[:num_parameters], expected[:num_parameters]), (sync, rank)
+            # The buffers' sum runs in Gloo's order, the definition's left to right: equal up to float32 rounding.
+            assert torch.allclose(mean[num_parameters:], expected[num_parameters:], rtol=1e-6, atol=0), (sync, rank)
             assert torch.equal(result["residuals"][sync]["residual"], worker[rank])
             assert torch.equal(result["residuals"][sync]["owner_residual"], owner[rank])
-        common = expected
+        common = results[0]["means"][sync]
+    buffers_share = 2 * (WORLD - 1) * (numel - num_parameters) * 4 // WORLD  # the ring's bytes, split evenly here
     for rank, result in enumerate(results):
         chunk = lambda owner_rank: bounds[owner_rank][1] - bounds[owner_rank][0]  # noqa: E731
         reduce = sum(encoded_nbytes(chunk(other), codec) for other in range(WORLD) if other != rank)
         gather = (WORLD - 1) * encoded_nbytes(chunk(rank), codec)
-        assert result["stats"].protocol_bytes == CASES[case]["syncs"] * ((WORLD - 1) + reduce + gather)
+        assert result["stats"].protocol_bytes == CASES[case]["syncs"] * ((WORLD - 1) + reduce + gather + buffers_share)
     float32_ring = 2 * (WORLD - 1) / WORLD * numel * 4
     ratio = results[0]["stats"].protocol_bytes / (CASES[case]["syncs"] * float32_ring)
     assert ratio < (0.26 if codec == "int8" else 0.51), ratio
