@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_dist.algorithms.compressed_pushes import (
     CompressedPushes,
@@ -140,3 +142,27 @@ def test_a_refused_push_leaves_the_residual_owed_to_the_next_accepted_one(codec)
     true = updates[0][:PARAMETERS] + updates[2][:PARAMETERS]
     assert torch.allclose(applied + worker.residual, true, rtol=0, atol=1e-6 * float(true.abs().max()))
     assert worker.residual.abs().max() > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_parameters=st.integers(1, 3000), num_buffers=st.integers(0, 20), codec=st.sampled_from(["bf16", "int8"]),
+       accepted=st.lists(st.booleans(), min_size=1, max_size=8), seed=st.integers(0, 2**31 - 1))
+def test_property_error_feedback_survives_any_sequence_of_refusals(num_parameters, num_buffers, codec, accepted, seed):
+    """Any sizes and any accept/refuse sequence: the server's decoded updates of the accepted pushes plus the worker's
+    final residual equal the sum of the accepted pushes' true updates (a refused push drops its own update, never the
+    residual owed from before), and every push carries the buffers exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randn(num_parameters + num_buffers, generator=generator)
+    worker = CompressedPushes(codec, start, num_parameters)
+    server = CompressedReplies(codec, start, num_parameters, workers=1)
+    applied, true = torch.zeros(num_parameters, dtype=torch.float64), torch.zeros(num_parameters, dtype=torch.float64)
+    for index, taken in enumerate(accepted):
+        message = torch.randn(num_parameters + num_buffers, generator=generator) * 10.0 ** (index % 3 - 1)
+        decoded = server.decode_push(worker.encode_push(message))
+        assert torch.equal(decoded[num_parameters:], message[num_parameters:])
+        if taken:
+            applied += decoded[:num_parameters].double()
+            true += message[:num_parameters].double()
+        else:
+            worker.refused()
+    assert torch.allclose(applied + worker.residual.double(), true, rtol=0, atol=1e-5 * max(1.0, float(true.abs().max())))
