@@ -177,7 +177,7 @@ class DynamicAveraging(DynamicCoordinator, Protocol):
         self.outer = None if self._outer_factory is None else OuterStep(self.reference, self._outer_factory)
         self.compressed = (None if self.compression is None
                            else CompressedSync(self.compression, self.reference_model,
-                                          simulation.replicas[0].vector.num_parameters, simulation.num_workers))
+                                               simulation.replicas[0].vector.num_parameters, simulation.num_workers))
         self.violation_counter = 0
         self.balancings = 0
         self._answered = [0] * simulation.num_workers  # the last balancing each worker took part in

@@ -103,7 +103,7 @@ class PeriodicAveraging(Protocol):
         )
         self.compressed = (None if self.compression is None
                            else CompressedSync(self.compression, self.last_mean, start.vector.num_parameters,
-                                          simulation.num_workers))
+                                               simulation.num_workers))
 
     def participants(self, round_index: int) -> list[int]:
         """Participants of round ``round_index`` (from 1), drawn in round order from the shared seed among the
