@@ -222,12 +222,8 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
             self._rejected_pushes += 1
             if remote and self._pushes is not None:  # too stale, at the header or on arrival: the residual stays owed
                 self._pushes.refused()
-        vector = reply.vector
-        if self._pushes is not None:
-            # Every worker continues from its mirror, the server's own one too (its reply is encoded as a remote
-            # one would be, at no cost in bytes): a synchronous round ends with every replica on one model.
-            encoded = vector if remote else self._server.replies.encode_reply(SERVER_RANK, vector)
-            vector = self._pushes.decode_reply(encoded)
+        # Every worker continues from its mirror of the encoded reply with compression, the server's own one too.
+        vector = reply.vector if self._pushes is None else self._pushes.decode_reply(reply.vector)
         self.model_vector.set(self.learner_whole(vector.to(self.root_device), "protocol"))
         # What the replica now holds (the float32 reply rounded to the model's dtype), so the next
         # update is exactly the local change and the server's float32 bits are never pushed back.

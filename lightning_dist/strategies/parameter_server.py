@@ -23,8 +23,8 @@ Why this shape:
   worker converts the reply into its model's dtype. With ``compression`` a push is that message
   compressed by the worker and a reply the compressed change since the worker's mirror
   (:mod:`lightning_dist.algorithms.compressed_pushes`): the server decodes pushes and encodes
-  replies; rank 0's own worker calls the server directly and sends no bytes, but continues, as every
-  worker does, from its mirror of the encoded reply (so a synchronous round ends on one model everywhere).
+  replies; rank 0's own worker calls the server directly and sends no bytes, but gets its reply encoded as
+  every worker does and continues from its mirror (so a synchronous round ends on one model everywhere).
 - Failure: a worker that raises sends ``ABORT``; the server then answers every later request, and
   every worker blocked in a synchronous round, with ``ABORTED`` naming the failed rank, so all
   ranks stop with a clear error instead of waiting forever.
@@ -133,7 +133,8 @@ class ParameterServer:
     # ------------------------------------------------------------ rank 0's own worker
 
     def push_local(self, update: Tensor, pulled_version: int) -> Reply:
-        """Rank 0's push: applied at once (async) or when the round is complete (sync)."""
+        """Rank 0's push: applied at once (async) or when the round is complete (sync). Its reply is what a remote
+        worker's would be: with compression, encoded against rank 0's mirror (no bytes travel)."""
         try:
             check_finite(update, SERVER_RANK)
         except NonFiniteUpdateError as exc:
@@ -143,7 +144,7 @@ class ParameterServer:
             self._raise_if_aborted()
             if not self.synchronous:
                 outcome = self.model.push(update, pulled_version, SERVER_RANK)
-                return self._reply_of(outcome, self.model.vector.clone())
+                return self._as_sent(SERVER_RANK, self._reply_of(outcome, self.model.vector.clone()))
             self._round[SERVER_RANK] = (update, pulled_version)
             round_number = self._rounds_done
             self._complete_round_if_ready()
@@ -151,7 +152,7 @@ class ParameterServer:
                 self._state.wait()
             self._raise_if_aborted()
             assert self._local_reply is not None
-            return self._local_reply
+            return self._as_sent(SERVER_RANK, self._local_reply)
 
     def version(self) -> int:
         """The global model's version now (no copy of the model)."""
@@ -303,11 +304,15 @@ class ParameterServer:
     def _reply_of(self, outcome: PushOutcome, vector: Tensor) -> Reply:
         return Reply(outcome.accepted, outcome.version, outcome.staleness, vector)
 
+    def _as_sent(self, rank: int, reply: Reply) -> Reply:
+        """``reply`` with its vector as it goes to ``rank``: the global model, or with compression its encoding
+        against ``rank``'s mirror (which moves as the worker's will)."""
+        return reply if self.replies is None else reply._replace(vector=self.replies.encode_reply(rank, reply.vector))
+
     def _send_reply(self, rank: int, reply: Reply) -> None:
         self._channel.send(_header(APPLIED if reply.applied else STALE, reply.version, reply.staleness), rank,
                            HEADER_TAG)
-        vector = reply.vector if self.replies is None else self.replies.encode_reply(rank, reply.vector)
-        self._channel.send(vector, rank, VECTOR_TAG)
+        self._channel.send(self._as_sent(rank, reply).vector, rank, VECTOR_TAG)
 
 
 class ParameterServerClient:
