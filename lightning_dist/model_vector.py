@@ -39,6 +39,42 @@ class ModelVector:
             chunk.copy_(tensor.detach().reshape(-1))
         return vector
 
+    def get_range(self, start: int, stop: int, dtype: torch.dtype | None = None) -> Tensor:
+        """A new copy of :meth:`get`'s ``[start, stop)`` without materializing the rest (a fragment or bucket of a
+        large model: extra memory of ``stop - start`` elements)."""
+        self._check_range(start, stop)
+        vector = torch.empty(stop - start, dtype=dtype or self.dtype, device=self._tensors[0].device)
+        for tensor, (lo, hi), (offset, _) in self._overlaps(start, stop):
+            vector[lo - start:hi - start].copy_(tensor.detach().reshape(-1)[lo - offset:hi - offset])
+        return vector
+
+    @torch.no_grad()
+    def set_range(self, start: int, values: Tensor) -> None:
+        """Copy ``values`` into :meth:`get`'s ``[start, start + len(values))`` in place, the rest untouched."""
+        stop = start + values.numel()
+        self._check_range(start, stop)
+        for tensor, (lo, hi), (offset, _) in self._overlaps(start, stop):
+            piece = values[lo - start:hi - start]
+            if tensor.is_contiguous():
+                tensor.view(-1)[lo - offset:hi - offset].copy_(piece)
+            else:  # a strided parameter has no flat view: write its flat copy back whole
+                flat = tensor.reshape(-1).clone()
+                flat[lo - offset:hi - offset] = piece
+                tensor.copy_(flat.view_as(tensor))
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"range [{start}, {stop}) is not within the model vector's {self.numel} elements")
+
+    def _overlaps(self, start: int, stop: int):  # type: ignore[no-untyped-def]
+        """``(tensor, (lo, hi), (offset, end))`` for each tensor whose span ``[offset, end)`` meets ``[start, stop)``."""
+        offset = 0
+        for tensor, size in zip(self._tensors, self._sizes):
+            end = offset + size
+            if end > start and offset < stop:
+                yield tensor, (max(start, offset), min(stop, end)), (offset, end)
+            offset = end
+
     @torch.no_grad()
     def set(self, vector: Tensor) -> None:
         """Copy ``vector`` into the module's tensors in place (optimizers keep their references)."""
