@@ -34,7 +34,15 @@ receives (``benchmarks/common/netns.py``; Gloo over TCP), so every byte crosses 
 - ``diloco``: periodic averaging every 50 steps with DiLoCo's outer step (SGD, Nesterov momentum 0.9,
   lr 0.7) on the averaged pseudo-gradient;
 - ``dynamic_outer``: ``dynamic_hi`` with the same outer step at its full synchronizations (at the
-  headline bandwidth only: it answers whether the outer step helps dynamic averaging).
+  headline bandwidth only: it answers whether the outer step helps dynamic averaging);
+- ``periodic_h50_stream``, ``diloco_stream`` and their ``_int8``: streaming synchronization (Streaming DiLoCo,
+  ``lightning_dist/algorithms/streaming.py``): ``periodic_h50`` and ``diloco`` with the model cut into
+  ``STREAM_FRAGMENTS`` (5) fragments, one merged every 10 steps, its exchange started ``STREAM_DELAY`` (5) steps
+  before, ``STREAM_ALPHA`` (0.5) of the replica's own fragment kept at a merge (kind ``streaming``);
+- ``torchft_diloco``, ``torchft_streaming_diloco``: torchft's ``DiLoCo`` (torchft 0.2.0, the ``torchft`` extra) with
+  the same inner and outer optimizers, every 50 steps, blocking and with the streaming rows' fragments, delay and
+  alpha: a Lighthouse on rank 0's node, one replica group per rank, Gloo over the same capped links
+  (``benchmarks/language_model/torchft_diloco.py``, kind ``torchft``).
 
 The caps are swept over ``--bandwidths`` (1000, 100, 20, 5 Mbit/s): one launch per bandwidth and seed
 runs every method in turn (``benchmarks/language_model/worker.py``), three seeds at ``--headline-mbit`` (20),
@@ -48,9 +56,12 @@ this bandwidth (marked ``proj``).
 
 Outputs (``--out``, default ``benchmarks/results``): ``lm_network.json`` (config, corpus, calibration,
 summaries, every run's curve and timings), ``lm_network.png`` (validation loss against wall-clock
-time, one panel per bandwidth), ``lm_network_bandwidth.png`` (time to target against bandwidth per
-method), and ``runs/lm_network_*`` (specs, per-node logs, raw results). The simulator's prediction of
-the same table is ``benchmarks/language_model/simulated.py``, which reads this JSON.
+time, one panel per bandwidth), ``lm_network_bandwidth.png`` (time to target against bandwidth: DDP, DDP +
+PowerSGD rank 4, torchft's two DiLoCos and the fastest method at the headline bandwidth of each family, periodic
+averaging / DiLoCo, dynamic averaging, segmented gossip, DownpourSGD, streaming: ``plotted_methods``), and
+``runs/lm_network_*`` (specs, per-node logs, raw results). A launch without DDP at its top bandwidth has no target:
+its JSON keeps the runs, without summary or figures (``--merge`` it into one that has DDP). The simulator's
+prediction of the same table is ``benchmarks/language_model/simulated.py``, which reads this JSON.
 
 Usage::
 
@@ -98,6 +109,13 @@ TASK: dict[str, Any] = {
     "model": {"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 160, "learning_rate": 2e-3, "warmup_steps": 20},
 }
 DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+DILOCO_PERIOD = 50
+# Streaming synchronization (Streaming DiLoCo; lightning_dist/algorithms/streaming.py): P fragments, one merged every
+# period / P steps, its exchange started tau steps before, alpha of the replica's own fragment kept at a merge. The same
+# for the package's streaming rows and torchft's.
+STREAM_FRAGMENTS = 5
+STREAM_DELAY = 5
+STREAM_ALPHA = 0.5
 CHECK_EVERY = 10
 CALIBRATION_STEPS = (20, 100)  # local steps whose median drift sets dynamic_lo and dynamic_hi
 MASTER_PORT = 29710
@@ -109,6 +127,8 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
 
     dynamic = lambda delta: strategy("DynamicAveragingStrategy", divergence_threshold=delta,  # noqa: E731
                                      check_every=CHECK_EVERY)
+    stream = {"fragments": STREAM_FRAGMENTS, "fragment_sync_delay": STREAM_DELAY, "fragment_update_alpha": STREAM_ALPHA}
+    streaming = f"{STREAM_FRAGMENTS} fragments, tau={STREAM_DELAY}, alpha={STREAM_ALPHA:g}"
     return [
         {"name": "ddp", "kind": "ddp", "label": "DDP (gradient all-reduce every step)"},
         {"name": "ddp_powersgd_r1", "kind": "ddp", "label": "DDP + PowerSGD rank 1 (error feedback, from step 2)",
@@ -156,10 +176,31 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
         {"name": "downpour_p50_int8", "kind": "downpour", "label": "DownpourSGD async, push every 50 steps, int8",
          "strategy": strategy("DownpourSGDStrategy", push_every=50, compression="int8")},
         {"name": "diloco", "kind": "periodic", "label": "DiLoCo: every 50 steps, outer Nesterov SGD lr 0.7",
-         "strategy": strategy("PeriodicAveragingStrategy", period=50), "outer": DILOCO_OUTER},
+         "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD), "outer": DILOCO_OUTER},
         {"name": "dynamic_outer", "kind": "dynamic",
          "label": f"dynamic averaging Delta={thresholds['hi']:.3g} + DiLoCo outer step",
          "strategy": dynamic(thresholds["hi"]), "outer": DILOCO_OUTER, "headline_only": True},
+        {"name": "periodic_h50_stream", "kind": "streaming",
+         "label": f"streaming periodic averaging, every {DILOCO_PERIOD} steps, {streaming}",
+         "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream)},
+        {"name": "periodic_h50_stream_int8", "kind": "streaming",
+         "label": f"streaming periodic averaging, every {DILOCO_PERIOD} steps, {streaming}, int8",
+         "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream, compression="int8")},
+        {"name": "diloco_stream", "kind": "streaming",
+         "label": f"streaming DiLoCo, every {DILOCO_PERIOD} steps, {streaming}",
+         "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream), "outer": DILOCO_OUTER},
+        {"name": "diloco_stream_int8", "kind": "streaming",
+         "label": f"streaming DiLoCo, every {DILOCO_PERIOD} steps, {streaming}, int8",
+         "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream, compression="int8"),
+         "outer": DILOCO_OUTER},
+        {"name": "torchft_diloco", "kind": "torchft",
+         "label": f"torchft DiLoCo, every {DILOCO_PERIOD} steps, outer Nesterov SGD lr 0.7",
+         "torchft": {"sync_every": DILOCO_PERIOD, "fragments": 1, "fragment_sync_delay": 0,
+                     "fragment_update_alpha": 0.0},
+         "outer": DILOCO_OUTER},
+        {"name": "torchft_streaming_diloco", "kind": "torchft",
+         "label": f"torchft streaming DiLoCo, every {DILOCO_PERIOD} steps, {streaming}",
+         "torchft": {"sync_every": DILOCO_PERIOD, **stream}, "outer": DILOCO_OUTER},
     ]
 
 
@@ -347,6 +388,41 @@ def table(summary: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- figures
 
 
+# The bandwidth figure: the baselines by name, then the fastest method of each of the package's families (by kind).
+PLOT_BASELINES = {"ddp": "DDP", "ddp_powersgd_r4": "DDP + PowerSGD rank 4", "torchft_diloco": "torchft DiLoCo",
+                  "torchft_streaming_diloco": "torchft streaming DiLoCo"}
+PLOT_FAMILIES = {"periodic averaging / DiLoCo": ("periodic", "fedavg"), "dynamic averaging": ("dynamic",),
+                 "segmented gossip": ("gossip",), "DownpourSGD": ("downpour",), "streaming": ("streaming",)}
+# Each line its own colour and marker; baselines dashed, the package's methods solid.
+PLOT_STYLES = {
+    "DDP": ("black", "s", "--"), "DDP + PowerSGD rank 4": ("#7f7f7f", "D", "--"),
+    "torchft DiLoCo": ("#8c564b", "^", "--"), "torchft streaming DiLoCo": ("#e377c2", "v", "--"),
+    "periodic averaging / DiLoCo": ("#1f77b4", "o", "-"), "dynamic averaging": ("#ff7f0e", "P", "-"),
+    "segmented gossip": ("#2ca02c", "X", "-"), "DownpourSGD": ("#d62728", "*", "-"), "streaming": ("#9467bd", "h", "-"),
+}
+
+
+def plotted_methods(summary: dict[str, Any], kinds: dict[str, str], headline_mbit: float) -> list[tuple[str, str]]:
+    """``(slot, method name)`` of the lines of the bandwidth figure: each baseline of ``PLOT_BASELINES`` that has rows,
+    then, per family of ``PLOT_FAMILIES`` (methods by ``kinds``, name to kind), its fastest method at ``headline_mbit``
+    (or, where the family has no row there, at the lowest bandwidth it has): the most seeds reaching the target, then
+    the shortest mean time to it, then the lowest final loss."""
+    rows = summary["rows"]
+    names = set(row["name"] for row in rows)
+    chosen = [(slot, name) for name, slot in PLOT_BASELINES.items() if name in names]
+    for family, family_kinds in PLOT_FAMILIES.items():
+        candidates = [row for row in rows if kinds.get(row["name"]) in family_kinds]
+        if not candidates:
+            continue
+        bandwidths = {row["node_mbit"] for row in candidates}
+        mbit = headline_mbit if headline_mbit in bandwidths else min(bandwidths)
+        best = min((row for row in candidates if row["node_mbit"] == mbit),
+                   key=lambda row: (-row["reached"] / len(row["seeds"]), row["time_to_target_s"] or math.inf,
+                                    row["final_val_loss"]))
+        chosen.append((family, best["name"]))
+    return chosen
+
+
 def plot(report: dict[str, Any], out: Path) -> list[Path]:
     plt = pyplot()
 
@@ -376,26 +452,36 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     curves = out / f"{PREFIX}.png"
     save_figure(fig, curves, dpi=120)
 
-    fig, axis = plt.subplots(figsize=(8, 5))
-    for name in names:
+    fig, axis = plt.subplots(figsize=(11, 5.2))
+    kinds = {run["name"]: run["kind"] for run in runs}
+    for slot, name in plotted_methods(summary, kinds, report["config"].get("headline_mbit", HEADLINE_MBIT)):
+        color, marker, linestyle = PLOT_STYLES[slot]
+        label = slot if slot in PLOT_BASELINES.values() else f"{slot}, best: {name}"
         rows = [row for row in summary["rows"] if row["name"] == name]
         points = [(row["node_mbit"], row["time_to_target_s"]) for row in rows if row["time_to_target_s"]]
-        if points:
-            axis.plot(*zip(*points), marker="o", color=colors[name], label=name)
+        if not points:  # run, never at the target: in the legend only, said so
+            label += " (target not reached in the budget)"
+        axis.plot(*(zip(*points) if points else ([], [])), marker=marker, markersize=7, linestyle=linestyle,
+                  color=color, label=label)
         if name == "ddp":
             projected = [(row["node_mbit"], row["projected_time_to_target_s"]) for row in rows
                          if row["projected_time_to_target_s"]]
             if projected:
-                axis.plot(*zip(*projected), marker="x", linestyle="--", color=colors[name], label="ddp (projected)")
+                axis.plot(*zip(*projected), marker="x", markersize=7, linestyle=":", color=color,
+                          label="DDP, projected (steps at 1000 Mbit/s x its step here)")
     axis.axhline(report["config"]["budget_s"], color="grey", linestyle=":", linewidth=1, label="budget")
     axis.set_xscale("log")
     axis.set_yscale("log")
+    axis.set_xticks(bandwidths, [f"{mbit:g}" for mbit in bandwidths])
+    axis.minorticks_off()
     axis.invert_xaxis()
     axis.set_xlabel("node cap (Mbit/s)")
     axis.set_ylabel(f"seconds to val loss {target:.3f}")
-    axis.set_title("time to DDP's target loss against bandwidth (mean over seeds that reached it)", fontsize=10)
+    fig.suptitle(f"Time to DDP's target loss against bandwidth (mean over the seeds that reached it):\nthe baselines "
+                 f"and each family's fastest at {report['config'].get('headline_mbit', HEADLINE_MBIT):g} Mbit/s "
+                 "(every method: lm_network.json and its table)", fontsize=10)
     axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize=7, ncol=2)
+    axis.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     bandwidth = out / f"{PREFIX}_bandwidth.png"
     save_figure(fig, bandwidth, dpi=120)
     return [curves, bandwidth]
@@ -461,10 +547,19 @@ def main(argv: list[str] | None = None) -> int:
     report["launches"] = launches
     report["config"]["wall_s"] = time.perf_counter() - started
     failed = any("error" in launch for launch in report["launches"])
-    if all_runs(report):
+    runs_done = all_runs(report)
+    top = max((run["node_mbit"] for run in runs_done), default=None)
+    if any(run["name"] == "ddp" and run["node_mbit"] == top for run in runs_done):
         report["summary"] = summarize(report)
         print(table(report["summary"]))
         print("wrote", *plot(report, args.out))
+    elif runs_done:  # no target loss without DDP at the top bandwidth: the runs as they are, no summary or figures
+        print(f"no DDP run at {top:g} Mbit/s, so no target loss: no summary or figures (add ddp, or --merge into a "
+              "JSON that has it)")
+        for run in runs_done:
+            print(f"  {run['node_mbit']:g} Mbit/s seed {run['seed']} {run['name']}: {run['steps']} steps, "
+                  f"{mean_step_s(run):.3f} s/step, final val loss {run['final_val_loss']:.3f}, "
+                  f"wire {run['wire_sent_bytes'] / 1e6:.1f} MB")
     write_json(json_path, report)
     print(f"total wall time {report['config']['wall_s']:.0f} s; results in {json_path}")
     return 1 if failed else 0

@@ -13,8 +13,11 @@ each, so every method starts from the same weights and data order. Spec keys: ``
 ``eval_sequences`` (validation windows scored per copy), ``work_dir``, ``out``. A run is
 ``{"name", "kind", "strategy": {"class", "kwargs"}, "outer": {...} | None}``; ``kind`` ``"ddp"`` is
 Lightning's DDP (gradient all-reduce every step; with ``"hook": {"name", ...}`` the compression hook of
-``benchmarks/language_model/ddp_hooks.py``, registered on the CPU too), anything else a lightning_dist strategy class,
-with ``outer`` the keyword arguments of a ``torch.optim.SGD`` outer optimizer (DiLoCo).
+``benchmarks/language_model/ddp_hooks.py``, registered on the CPU too), ``"torchft"`` torchft's DiLoCo in its own
+training loop (``benchmarks/language_model/torchft_diloco.py``; the run's ``torchft`` gives ``sync_every``,
+``fragments``, ``fragment_sync_delay``, ``fragment_update_alpha``), anything else a lightning_dist strategy class,
+with ``outer`` the keyword arguments of a ``torch.optim.SGD`` outer optimizer (DiLoCo). Every kind is timed, copied
+and scored the same way (``collect``).
 
 Timing. Rank 0 decides, after every optimizer step (every ``snapshot_every`` steps for DownpourSGD,
 whose ranks do not run in lockstep), whether to take a copy (every ``budget_s / snapshots`` seconds)
@@ -30,7 +33,8 @@ in nats per character. A copy's time is the latest rank's clock at that step, fr
 rank's start of training.
 
 Each rank also times every training batch (``step_ends``) and, for the local-update strategies,
-``after_local_step`` at round steps, so the driver can tell compute from communication (the
+``after_local_step`` at round steps (every ``period / fragments`` steps when streaming; torchft's optimizer-step
+hook at its merges), so the driver can tell compute from communication (the
 simulator's step time comes from here). Dynamic averaging runs record each rank's
 ``||f_i - r||^2`` at every check (before the check acts), the quantity the thresholds are
 calibrated against.
@@ -137,8 +141,11 @@ def probe_distances(strategy: lightning_dist.DynamicAveragingStrategy) -> list[f
 
 
 def round_period(run: dict[str, Any]) -> int:
+    """Optimizer steps between two of the strategy's rounds: its period (``period / fragments`` when streaming: one
+    fragment is merged every that many steps), check period or push period."""
     kwargs = run["strategy"]["kwargs"]
-    return int(kwargs.get("period") or kwargs.get("check_every") or kwargs.get("push_every") or 1)
+    period = int(kwargs.get("period") or kwargs.get("check_every") or kwargs.get("push_every") or 1)
+    return period // int(kwargs.get("fragments") or 1)
 
 
 def make_strategy(spec: dict[str, Any], run: dict[str, Any]) -> Any:
@@ -179,6 +186,10 @@ def eval_batches(datamodule: StdlibTextDataModule, sequences: int) -> list[tuple
 
 
 def fit_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
+    if run["kind"] == "torchft":  # torchft's DiLoCo, its own loop (imported here: torchft is the bench extra's)
+        from benchmarks.language_model import torchft_diloco
+
+        return torchft_diloco.fit_run(spec, run)
     seed = int(spec["seed"])
     L.seed_everything(seed, workers=True, verbose=False)
     datamodule = StdlibTextDataModule(seed=seed, **spec["data"])
@@ -201,39 +212,53 @@ def fit_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
     strategy = trainer.strategy
     stats = strategy.refresh_comm_stats() if isinstance(strategy, lightning_dist.LocalUpdateStrategy) else None
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    work_dir = Path(spec["work_dir"])
-    torch.save(torch.stack(snapshots.vectors), work_dir / f"{run['name']}.rank{rank}.snapshots.pt")
-    snapshots.vectors.clear()
     local = {"start": snapshots.start, "fit_end": fit_end, "steps": snapshots.steps, "times": snapshots.times,
              "wire": [(tx - wire_start[0], rx - wire_start[1]) for tx, rx in snapshots.wire],
              "wire_total": (wire_end[0] - wire_start[0], wire_end[1] - wire_start[1]),
              "step_ends": snapshots.step_ends, "rounds": rounds, "distances": distances}
+    result = collect(spec, run, model, datamodule, snapshots.vectors, local, trainer.global_step, downpour)
+    if result is not None:
+        result.update(comm_result(strategy, stats))
+    return result
+
+
+def collect(spec: dict[str, Any], run: dict[str, Any], model: TransformerLM, datamodule: StdlibTextDataModule,
+            vectors: list[torch.Tensor], local: dict[str, Any], steps_taken: int,
+            server_copy: bool = False) -> dict[str, Any] | None:
+    """What every method records, after its fit: this rank's copies (``vectors``, emptied) to a file, every rank's
+    ``local`` record (``start``, ``fit_end``, ``steps``, ``times``, ``wire``, ``wire_total``, ``step_ends``,
+    ``rounds``, ``distances``) gathered, and on rank 0 the copies scored (the replicas' mean, or rank 0's copy alone
+    where ``server_copy``: DownpourSGD's global model) into the run's result; None on the other ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    work_dir = Path(spec["work_dir"])
+    torch.save(torch.stack(vectors), work_dir / f"{run['name']}.rank{rank}.snapshots.pt")
+    vectors.clear()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, local)  # also a barrier: every rank's file is written
     if rank != 0:
         return None
     steps = gathered[0]["steps"]
-    if not downpour and any(part["steps"] != steps for part in gathered):
+    if not server_copy and any(part["steps"] != steps for part in gathered):
         raise RuntimeError(f"{run['name']}: ranks took copies at different steps")
     paths = [work_dir / f"{run['name']}.rank{other}.snapshots.pt" for other in range(world)]
-    if downpour:
-        vectors = torch.load(paths[0])  # the server's global model
+    if server_copy:
+        averaged = torch.load(paths[0])  # the server's global model
     else:
-        vectors = sum(torch.load(path) for path in paths) / world
+        averaged = sum(torch.load(path) for path in paths) / world
     for path in paths:
         path.unlink()
-    losses = evaluate(model, vectors, eval_batches(datamodule, int(spec["eval_sequences"])))
+    losses = evaluate(model, averaged, eval_batches(datamodule, int(spec["eval_sequences"])))
     start = min(part["start"] for part in gathered)
     curve = []
     for index, step in enumerate(steps):
         seconds = max(part["times"][index] for part in gathered) - start
         sent = sum(part["wire"][index][0] for part in gathered)
         curve.append({"step": step, "seconds": seconds, "val_loss": losses[index], "wire_bytes": sent})
+    budget = float(spec["budget_s"])
     result = {
         "name": run["name"], "kind": run["kind"], "strategy": run.get("strategy"), "outer": run.get("outer"),
         "world_size": world, "num_parameters": sum(p.numel() for p in model.parameters()),
-        "model_bytes": vectors[0].nbytes, "budget_s": budget, "steps": trainer.global_step,
+        "model_bytes": averaged[0].nbytes, "budget_s": budget, "steps": steps_taken,
         "fit_s": max(part["fit_end"] for part in gathered) - start,
         "step_s_per_rank": per_rank_step_s(gathered),
         "round_steps": [step for step, _ in gathered[0]["rounds"]],
@@ -245,7 +270,6 @@ def fit_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
     }
     if not math.isfinite(result["final_val_loss"]):
         print(f"warning: {run['name']} ended with a non-finite validation loss", flush=True)
-    result.update(comm_result(strategy, stats))
     return result
 
 
