@@ -32,6 +32,13 @@ DiLoCo (``outer_optimizer``): the round's mean goes through the strategy's outer
 (:class:`~lightning_dist.algorithms.outer.OuterStep`, one shared copy: the strategy's ranks step
 identical copies with the same mean) and every worker continues from its result. The outer step
 is element-wise and costs no virtual time (it is not modelled apart from the aggregation).
+
+Streaming synchronization (``fragments``, ``fragment_sync_delay``, ``fragment_update_alpha``; Streaming DiLoCo,
+:mod:`lightning_dist.algorithms.streaming`): the model is synchronized in ``P`` fragments in turn, every
+``period / P`` steps, each exchange started ``tau`` steps before its merge and overlapping them, the merge keeping
+``alpha`` of the worker's own fragment (:mod:`lightning_dist.sim.protocols.streaming`). Plain averaging or DiLoCo
+(an outer step per fragment), with or without ``compression``; needs ``topology="strategy"`` and ``C = 1``. With
+``P = 1``, ``tau = 0`` and ``alpha = 0`` (the defaults) the synchronization is the blocking one above.
 """
 
 from __future__ import annotations
@@ -46,10 +53,12 @@ from lightning_dist.algorithms.arguments import (
 )
 from lightning_dist.algorithms.averaging import accumulated_nbytes, sample_participants, weighted_average
 from lightning_dist.algorithms.outer import OuterStep
+from lightning_dist.algorithms.streaming import StreamingPlan
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, Protocol, all_finite, check_topology, checked_mean
 from lightning_dist.sim.protocols.compressed import CompressedSync, check_simulated_compression
 from lightning_dist.sim.protocols.membership import Membership, request_admission
+from lightning_dist.sim.protocols.streaming import StreamingSync
 from lightning_dist.sim.protocols.subset_average import SubsetAverage
 from lightning_dist.sim.replica import check_finite
 
@@ -66,10 +75,17 @@ class PeriodicAveraging(Protocol):
         or an import path such as ``lightning_dist.algorithms.outer.diloco_outer_optimizer``. Needs ``C = 1``.
     compression: None, ``"bf16"`` or ``"int8"``: the strategy's compressed synchronization
         (:mod:`lightning_dist.sim.protocols.compressed`). Needs ``C = 1`` and ``topology="strategy"``.
+    fragments: ``P``, the fragments the model is synchronized in, one every ``period / P`` steps in turn; default 1;
+        ``period`` must be a multiple.
+    fragment_sync_delay: ``tau``, steps a fragment's exchange overlaps, from its start to its merge;
+        ``0 <= tau < period / P``; default 0.
+    fragment_update_alpha: the share of a worker's own fragment kept at a merge, in ``[0, 1]``; default 0.
+        Other than ``P = 1, tau = 0, alpha = 0`` (streaming) needs ``C = 1`` and ``topology="strategy"``.
     """
 
     name = "periodic"
-    arguments = ("period", "client_fraction", "seed", "topology", "outer_optimizer", "compression")
+    arguments = ("period", "client_fraction", "seed", "topology", "outer_optimizer", "compression", "fragments",
+                 "fragment_sync_delay", "fragment_update_alpha")
 
     def __init__(
         self,
@@ -79,6 +95,9 @@ class PeriodicAveraging(Protocol):
         topology: str = "server",
         outer_optimizer: object = None,
         compression: str | None = None,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
     ) -> None:
         self.period = check_steps("period", period, "local steps between averagings")
         self.client_fraction = check_client_fraction(client_fraction)
@@ -88,6 +107,15 @@ class PeriodicAveraging(Protocol):
         self._outer_factory = check_outer_optimizer(outer_optimizer, self.client_fraction)
         self.outer_optimizer = outer_optimizer_config(outer_optimizer)
         self.compression = check_simulated_compression(compression, self.topology, self.client_fraction)
+        self.plan = StreamingPlan(self.period, fragments, fragment_sync_delay, fragment_update_alpha)
+        self.fragments, self.fragment_sync_delay = self.plan.fragments, self.plan.delay
+        self.fragment_update_alpha = float(self.plan.alpha)
+        if self.plan.streaming and (self.topology != "strategy" or self.client_fraction < 1):
+            raise ValueError(
+                "fragments, fragment_sync_delay and fragment_update_alpha (streaming synchronization) need "
+                "topology='strategy' and client_fraction=1 (the strategy's full synchronization, in fragments); got "
+                f"topology={self.topology!r}, client_fraction={self.client_fraction}"
+            )
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
@@ -104,6 +132,13 @@ class PeriodicAveraging(Protocol):
         self.compressed = (None if self.compression is None
                            else CompressedSync(self.compression, self.last_mean, start.vector.num_parameters,
                                                simulation.num_workers))
+        self.streaming = self.streaming_sync() if self.plan.streaming else None
+
+    def streaming_sync(self) -> StreamingSync:
+        """The fragments' exchanges (:mod:`lightning_dist.sim.protocols.streaming`) from the start model."""
+        start = self.simulation.replicas[0]
+        return StreamingSync(self.plan, self.last_mean, start.vector.num_parameters, self.simulation.num_workers,
+                             self._outer_factory, self.compression)
 
     def participants(self, round_index: int) -> list[int]:
         """Participants of round ``round_index`` (from 1), drawn in round order from the shared seed among the
@@ -124,6 +159,9 @@ class PeriodicAveraging(Protocol):
         return round_index * self.period
 
     def after_step(self, node: Node, rank: int, step: int) -> Program:
+        if self.streaming is not None:
+            yield from self.streaming.after_step(node, rank, step, self.simulation.replicas[rank])
+            return
         if step % self.period:
             return
         round_index = step // self.period
@@ -133,6 +171,14 @@ class PeriodicAveraging(Protocol):
             mean = yield from self._as_strategy(node, rank, round_index)
         if mean is not None:
             self.simulation.replicas[rank].set(mean)
+
+    def finish(self, node: Node, rank: int) -> Program:
+        """Streaming: the exchange in flight after the last step merged (and its wait recorded), as the strategy does
+        at the end of ``fit``."""
+        if self.streaming is not None:
+            started = node.now
+            yield from self.streaming.finish(node, rank, self.simulation.replicas[rank])
+            self.simulation.record_wait(rank, self.simulation.max_steps, started)
 
     def _through_server(self, node: Node, rank: int, round_index: int) -> Program:
         """A participant's model to the server and the mean back; None for the others."""
@@ -180,4 +226,6 @@ class PeriodicAveraging(Protocol):
         yield from membership.serve_joins(node, (self.last_mean, self.rounds), nbytes)
 
     def metrics(self) -> dict[str, float]:
+        if self.streaming is not None:
+            return self.streaming.metrics()
         return {} if self.outer is None else self.outer.metrics()
