@@ -12,9 +12,15 @@ config                    arguments                           parameters
 default                   4 layers, n_embd 128, 4 heads       842,496
 small (the LM configs)    4 layers, n_embd 160, 4 heads       1,298,880
 large                     6 layers, n_embd 384, 6 heads       10,795,008
+100m (large-model study)  15 layers, n_embd 768, 12 heads     106,614,528
 ========================  ==================================  ==========
 
-(``vocab_size`` 256, ``block_size`` 128). With ``V = vocab_size``, ``T = block_size``, ``C = n_embd``
+(``vocab_size`` 256, ``block_size`` 128). :meth:`TransformerLM.preset` builds each by name
+(``TransformerLM.preset("100m")``; in a LightningCLI YAML give the table's arguments). ``100m`` has GPT-2
+small's width and heads with 15 layers instead of 12: with a byte vocabulary GPT-2 small's 12 layers hold
+85M parameters (its 124M include a 38.6M-parameter embedding of 50,257 tokens), so three more layers take
+it past 100M. In float32 it is 426 MB; its gradients and AdamW's two moments make 1.7 GB per replica
+before activations (``benchmarks/large_model``). With ``V = vocab_size``, ``T = block_size``, ``C = n_embd``
 and ``L = n_layer`` the count is ``V*C + T*C + L*(12*C**2 + 13*C) + 2*C``: the embeddings (the head
 reuses the token embedding), per block two LayerNorms (``4C``), the query/key/value projection
 (``3C**2 + 3C``), the attention output projection (``C**2 + C``) and the MLP (``8C**2 + 5C``), and the
@@ -24,6 +30,7 @@ final LayerNorm (``2C``). :attr:`TransformerLM.num_parameters` counts them on th
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning as L
 import torch
@@ -31,6 +38,15 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_dist.algorithms.arguments import check_count, check_number
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    "default": {"n_layer": 4, "n_head": 4, "n_embd": 128},
+    "small": {"n_layer": 4, "n_head": 4, "n_embd": 160},
+    "large": {"n_layer": 6, "n_head": 6, "n_embd": 384},
+    "100m": {"n_layer": 15, "n_head": 12, "n_embd": 768},
+}
+"""The sizes of the module docstring's table, by name: :meth:`TransformerLM.preset`'s arguments."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -126,6 +142,19 @@ class TransformerLM(L.LightningModule):
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # tied: one matrix reads bytes in and scores them out
         self._init_weights(n_layer)
+
+    @classmethod
+    def preset(cls, name: str, **kwargs: Any) -> TransformerLM:
+        """The model of the module docstring's table named ``name`` (``"default"``, ``"small"``, ``"large"``,
+        ``"100m"``; their arguments are ``PRESETS``); ``kwargs`` set the other arguments (``learning_rate``,
+        ``block_size``, ...) or override the preset's.
+
+        Built on the current default device: ``with torch.device("meta"): TransformerLM.preset("100m")`` counts the
+        parameters of the 100M model without allocating them.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown TransformerLM preset {name!r}; the presets are {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **kwargs})
 
     def _init_weights(self, n_layer: int) -> None:
         for module in self.modules():
