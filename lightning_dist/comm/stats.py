@@ -46,6 +46,19 @@ class CommStats:
         if level is not None:
             self.bytes_by_level[check_level(level)] += num_bytes
 
+    def absorb(self, other: CommStats) -> None:
+        """Add ``other``'s bytes and messages (not its syncs) to these counters and zero ``other``'s: a background
+        exchange counts into its own counters, folded into the strategy's by the training thread."""
+        self.bytes_sent += other.bytes_sent
+        self.messages += other.messages
+        for purpose, num_bytes in other.bytes_by_purpose.items():
+            self.bytes_by_purpose[purpose] += num_bytes
+        for level, num_bytes in other.bytes_by_level.items():
+            self.bytes_by_level[level] += num_bytes
+        other.bytes_sent = other.messages = 0
+        other.bytes_by_purpose = dict.fromkeys(other.bytes_by_purpose, 0)
+        other.bytes_by_level = dict.fromkeys(other.bytes_by_level, 0)
+
     @property
     def protocol_bytes(self) -> int:
         """Bytes of the algorithm's own exchanges: the cumulative communication of paper 004."""

@@ -43,9 +43,10 @@ class CompressedAverage:
         self.residual: Tensor | None = None  # e_i: what this rank's compressions dropped, still to be sent
         self.owner_residual: Tensor | None = None  # s_j: what compressing this rank's chunk of the mean dropped
 
-    def hold(self, common: Tensor) -> None:
-        """Every replica now holds ``common``: the next deltas are taken from it (the residuals are kept)."""
-        self.common = common.detach().clone()
+    def hold(self, common: Tensor, copy: bool = True) -> None:
+        """Every replica now holds ``common``: the next deltas are taken from it (the residuals are kept).
+        ``copy=False`` keeps ``common`` itself (a tensor nothing else changes), saving one copy of it."""
+        self.common = common.detach().clone() if copy else common.detach()
 
     def restart(self, common: Tensor) -> None:
         """A fresh start from ``common`` (a resume at another world size): residuals at zero, chunks re-cut."""

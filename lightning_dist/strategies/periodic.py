@@ -7,10 +7,22 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_client_fraction, check_outer_optimizer, check_steps
+import torch
+
+from lightning_dist.algorithms.arguments import (
+    check_client_fraction,
+    check_option,
+    check_outer_optimizer,
+    check_steps,
+)
 from lightning_dist.algorithms.averaging import sample_participants
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
+from lightning_dist.algorithms.streaming import StreamingPlan
+from lightning_dist.comm import Communicator, new_group
+from lightning_dist.comm.nodes import node_groups
+from lightning_dist.strategies._hierarchy import NodeHierarchy
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
+from lightning_dist.strategies._streaming import Lanes, StreamingSync
 from lightning_dist.strategies._subset_average import average_subset
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
@@ -51,6 +63,24 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             nesterov: true}}``. Needs ``client_fraction=1``: the outer gradient assumes every averaged
             replica started the round from the reference, which FedAvg's non-participants, training
             on from their own models, did not (refused with a ValueError).
+        fragments: Streaming DiLoCo's ``P`` (Douillard et al. 2025; :mod:`lightning_dist.algorithms.streaming`):
+            the model is cut into ``P`` nearly equal fragments, synchronized in turn every ``period / P`` steps
+            (each one every ``period`` steps); ``period`` must be a multiple of ``P``. Default 1.
+        fragment_sync_delay: the paper's ``tau``: a fragment's exchange starts ``tau`` steps before it is merged
+            and runs in the background, overlapping those steps of computation; ``0 <= tau < period / P``.
+            Default 0 (blocking).
+        fragment_update_alpha: the paper's ``alpha``: at a merge the replica keeps ``alpha`` of its own fragment
+            and takes ``1 - alpha`` of the synchronized one, in [0, 1]. Default 0 (torchft's; the paper uses 0.5
+            with ``tau >= 1``, to keep the progress made while the exchange was in flight).
+        state_device: None (default): the outer optimizer's state lives with the model. ``"cpu"``: the per-
+            fragment reference and outer-optimizer state live in host memory (two model copies off the GPU),
+            at the cost of moving one fragment each way per merge.
+
+            With any of the four set away from its default, averaging runs fragment by fragment through
+            :class:`~lightning_dist.strategies._streaming.StreamingSync` (never more than one fragment of extra
+            memory for an exchange); with ``P = 1``, ``tau = 0`` and ``alpha = 0`` it equals the blocking average
+            (and DiLoCo's outer step) bit for bit. Needs ``client_fraction=1`` (a FedAvg round's participants are
+            drawn per round, not per fragment).
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
     """
 
@@ -62,11 +92,23 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         client_fraction: float = 1.0,
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+        state_device: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         period = check_steps("period", period, "optimizer steps between averagings")
         client_fraction = check_client_fraction(client_fraction)
         outer_optimizer = check_outer_optimizer(outer_optimizer, client_fraction)
+        plan = StreamingPlan(period, fragments, fragment_sync_delay, fragment_update_alpha)
+        state_device = check_option("state_device", state_device, ("cpu",), "where the outer optimizer's state lives")
+        streams = plan.streaming or state_device is not None
+        if streams and client_fraction < 1:
+            raise ValueError(
+                f"fragments, fragment_sync_delay, fragment_update_alpha and state_device need client_fraction=1 (got "
+                f"{client_fraction}): FedAvg draws a round's participants for the whole model"
+            )
         if client_fraction < 1 and kwargs.get("compression") is not None:
             raise ValueError(
                 f"compression needs client_fraction=1 (got {client_fraction}): FedAvg's rounds average a subset of "
@@ -76,12 +118,47 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         self.period = period
         self.client_fraction = client_fraction
         self.outer_optimizer = outer_optimizer
+        self.plan = plan
+        self.state_device = state_device
+        self.streams = streams
+        if streams:  # each fragment keeps its own compressed exchange (StreamingSync), not one for the whole model
+            self._compressed = None
         self._outer: OuterStep | None = None
+        self._streaming: StreamingSync | None = None
+        self._background: Lanes | None = None
+
+    def setup_environment(self) -> None:
+        """Lightning's and the base's; with ``fragment_sync_delay > 0`` also the groups exchanges in flight run on."""
+        super().setup_environment()
+        if self._background is not None:
+            self._background.close()
+            self._background = None
+        if self.streams and self.plan.delay > 0:
+            backend = self._get_process_group_backend()
+            world = Communicator(new_group(backend=backend, timeout=self._timeout), timeout=self._timeout)
+            hierarchy = None
+            if self._hierarchy is not None:
+                node_group, slice_group = node_groups(self._hierarchy.layout, backend, self._timeout)
+                hierarchy = NodeHierarchy(self._hierarchy.layout, Communicator(node_group, "intra_node", counted_by=world),
+                                          Communicator(slice_group, "inter_node", counted_by=world))
+            self._background = Lanes(world, hierarchy)
 
     def on_replicas_initialized(self, vector: Tensor) -> None:
-        self._outer = build_outer_step(self.outer_optimizer, self.model_vector.parameters_of(vector))
+        if not self.streams:
+            self._outer = build_outer_step(self.outer_optimizer, self.model_vector.parameters_of(vector))
+            return
+        self._streaming = StreamingSync(
+            self.plan, self.model_vector, Lanes(self.comm, self._hierarchy), self._background, self.compression,
+            self.outer_optimizer, None if self.state_device is None else torch.device(self.state_device),
+            self.raise_for_ranks)
 
     def after_local_step(self, step: int) -> None:
+        if self._streaming is not None:
+            if self._streaming.after_step(step):
+                self._syncs += 1
+                # One fragment taken whole: every replica now holds the same model.
+                self._replicas_in_sync = self.plan.fragments == 1 and self.plan.alpha == 0
+            return
         if step % self.period != 0:
             return
         learners = self.learners.world_size  # ranks, or nodes under a hierarchy
@@ -97,15 +174,52 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 self.model_vector.set(self.learner_whole(mean, "protocol"))
         self._syncs += 1
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._streaming is not None:  # every rank: the exchange in flight is saved with its result
+            self._streaming.collect()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def on_train_end(self) -> None:
+        if self._streaming is not None and self._streaming.in_flight is not None:
+            # fit ends between an exchange's start and its merge: merged now rather than lost
+            self._streaming.merge_in_flight()
+            self._syncs += 1
+        super().on_train_end()
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._background is not None:
+            self._background.close()
+
     def protocol_state_dict(self) -> dict[str, Any]:
+        if self._streaming is not None:
+            return {"streaming": self._streaming.state_dict()}
         return outer_state(self._outer)
 
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
+        if ("streaming" in state) != self.streams:
+            written, now = ("with", "without") if "streaming" in state else ("without", "with")
+            raise ValueError(
+                f"the checkpoint was written by {type(self).__name__} {written} fragments/fragment_sync_delay/"
+                f"fragment_update_alpha/state_device and is resumed {now}; resume with the settings that wrote it"
+            )
+        if self._streaming is not None:
+            self._streaming.load_state_dict(state["streaming"], type(self).__name__)
+            return
         load_outer_state(self._outer, state, type(self).__name__)
+
+    def worker_state_dict(self) -> dict[str, Any]:
+        return {} if self._streaming is None else self._streaming.worker_state_dict()
+
+    def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._streaming is not None:
+            self._streaming.load_worker_state_dict(state)
 
     def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
         """Kept: the rounds count global steps, and DiLoCo's reference and outer momentum are one model's."""
         return state
 
     def protocol_metrics(self) -> dict[str, float]:
+        if self._streaming is not None:
+            return self._streaming.metrics()
         return {} if self._outer is None else self._outer.metrics()

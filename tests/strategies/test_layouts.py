@@ -3,7 +3,8 @@
 Layouts: flat 2, flat 4, 2 x 2, 1 x 4 and 2 x 1 with ``hierarchy="node"`` (two torchrun agents act as two nodes
 on this host). Layout changes on resume, from a checkpoint written after step 6 of 10, between two
 synchronizations: 2 x 2 -> 1 x 4, flat 4 -> 2 x 2, 2 x 2 -> 2 x 1, 2 x 2 -> flat 4, 2 x 2 -> 1 x 2, 1 x 2 -> 2 x 2.
-Every strategy, with and without ``compression="int8"`` where it has compression, on a model with what broke last
+Every strategy (and streaming DiLoCo, its checkpoint taken with an exchange in flight), with and without
+``compression="int8"`` where it has compression, on a model with what broke last
 round: BatchNorm on inputs of tiny variance, a frozen parameter, Adam (``helpers.user_models.TinyVarianceMLP``).
 
 Asserted for every case: no rank failed (segmented gossip on one node, which has no peer, is refused by name); after every step the ranks of a node hold the same model, bit for bit;
@@ -33,8 +34,12 @@ STRATEGIES = {
     "dynamic": ("DynamicAveragingStrategy", {"divergence_threshold": 0.3, "check_every": 2}, False, "full"),
     "gossip": ("SegmentedGossipStrategy", {"segments": 2, "period": 4}, False, None),
     "downpour": ("DownpourSGDStrategy", {"push_every": 4, "synchronous": True}, False, "syncs"),
+    # Streaming DiLoCo: fragment 0 starts after step 1 and merges after 4, fragment 1 after 5 and 8, fragment 0 after 9
+    # and (fit ends) 10: the checkpoint after step 6 holds fragment 1's exchange in flight.
+    "stream": ("PeriodicAveragingStrategy", {"period": 8, "fragments": 2, "fragment_sync_delay": 3,
+                                             "fragment_update_alpha": 0.5}, True, None),
 }
-COMPRESSED = ("periodic", "diloco", "dynamic", "downpour")  # fedavg and gossip refuse compression by name
+COMPRESSED = ("periodic", "diloco", "dynamic", "downpour", "stream")  # fedavg and gossip refuse compression by name
 VARIANTS = [(name, None) for name in STRATEGIES] + [(name, "int8") for name in COMPRESSED]
 
 # layout -> (nodes, ranks per node, hierarchy)

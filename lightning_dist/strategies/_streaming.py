@@ -1,0 +1,297 @@
+"""Streaming synchronization across ranks: :mod:`lightning_dist.algorithms.streaming`'s plan over communicators.
+
+Every ``H / P`` steps one fragment of the model (``[start, stop)`` of the model vector) is synchronized. After
+step ``t - tau`` each rank copies its fragment (one fragment of extra memory: the model is never flattened,
+:meth:`~lightning_dist.model_vector.ModelVector.get_range`) and the mean of the copies starts on a process
+group of its own, in a thread, while training goes on; after step ``t`` the training thread waits for it (by
+then, on a fast enough link, it is done), steps the fragment's outer optimizer (DiLoCo) and mixes the result
+into the replica with ``alpha``. With ``tau = 0`` the exchange runs in the training thread on the strategy's
+own groups, the blocking synchronization, fragment by fragment.
+
+Why a thread and a second group: the exchange is several collectives (a finiteness check, an all-reduce or
+compressed transfers, under a hierarchy a gather inside the node), and Lightning and the strategy issue their
+own collectives meanwhile (validation's consensus, counters); a group of its own keeps the two sequences from
+pairing with each other's, and a thread lets the collectives wait for each other without holding up training.
+On CUDA the thread issues its work on a stream of its own (as torchft's DiLoCo does), so the training stream
+never waits on it. Bytes counted by the thread's communicators are folded into the strategy's counters by the
+training thread when it collects the exchange.
+
+State: per fragment, DiLoCo's :class:`~lightning_dist.algorithms.outer.OuterStep` (the fragment's reference and
+the optimizer's state, on ``state_device``: ``"cpu"`` keeps them in host memory, as torchft keeps its backup)
+and the compressed exchange's state (:class:`CompressedAverage`: its common model is the fragment's last
+synchronized model, on the device, and the error-feedback residuals); one exchange in flight at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
+from lightning_dist.algorithms.streaming import StreamingPlan, merge
+from lightning_dist.comm import Communicator
+from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies._compressed_average import CompressedAverage
+from lightning_dist.strategies._hierarchy import NodeHierarchy
+
+
+@dataclass
+class Lanes:
+    """The communicators one exchange runs on: every rank (the finiteness check), and the hierarchy if any."""
+
+    world: Communicator
+    hierarchy: NodeHierarchy | None
+
+    @property
+    def learners(self) -> Communicator:
+        return self.world if self.hierarchy is None else self.hierarchy.inter_node
+
+    def close(self) -> None:
+        self.world.close()
+        if self.hierarchy is not None:
+            self.hierarchy.close()
+
+
+class _InFlight:
+    """One fragment's exchange: started after ``started_at``, its mean (the same on every rank) once collected."""
+
+    def __init__(self, fragment: int, started_at: int) -> None:
+        self.fragment = fragment
+        self.started_at = started_at
+        self.mean: Tensor | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+
+class StreamingSync:
+    """One rank's side of streaming synchronization (see the module docstring).
+
+    Args:
+        plan: fragments, delay, alpha.
+        vector: the model's vector view (read and written a fragment at a time).
+        foreground: the strategy's communicators (exchanges with ``tau = 0``, in the training thread).
+        background: communicators of this object's own, for exchanges in flight while training goes on
+            (None when ``tau = 0``).
+        codec: the ``compression`` codec or None.
+        outer_optimizer: DiLoCo's outer optimizer factory or None (plain averaging).
+        state_device: where the outer steps' state lives (None: the model's device).
+        raise_for_ranks: the strategy's error for non-finite replicas (names the ranks).
+    """
+
+    def __init__(self, plan: StreamingPlan, vector: ModelVector, foreground: Lanes, background: Lanes | None,
+                 codec: str | None, outer_optimizer: OuterOptimizerFactory | None, state_device: torch.device | None,
+                 raise_for_ranks: Callable[[list[int]], None]) -> None:
+        self.plan = plan
+        self.vector = vector
+        self.foreground = foreground
+        self.background = background
+        self.codec = codec
+        self.raise_for_ranks = raise_for_ranks
+        self.bounds = plan.fragment_bounds(vector.numel)
+        self.device = vector.parameters[0].device
+        self.state_device = state_device or self.device
+        self.outer = [self._outer_step(outer_optimizer, start, stop) for start, stop in self.bounds]
+        self.compressed = [self._compressor(start, stop) for start, stop in self.bounds]
+        self.in_flight: _InFlight | None = None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and background is not None else None
+
+    def _outer_step(self, factory: OuterOptimizerFactory | None, start: int, stop: int) -> OuterStep | None:
+        parameters = self._num_parameters(start, stop)
+        if factory is None or parameters == 0:
+            return None
+        return OuterStep(self.vector.get_range(start, start + parameters).to(self.state_device), factory)
+
+    def _compressor(self, start: int, stop: int) -> CompressedAverage | None:
+        if self.codec is None:
+            return None
+        compressed = CompressedAverage(self.codec)
+        compressed.hold(self._part(self.vector.get_range(start, stop)), copy=False)
+        return compressed
+
+    def _num_parameters(self, start: int, stop: int) -> int:
+        return max(0, min(stop, self.vector.num_parameters) - start)
+
+    def _part(self, fragment: Tensor) -> Tensor:
+        """The piece of a fragment this rank exchanges between learners (all of it, or its chunk in the node)."""
+        hierarchy = self.foreground.hierarchy
+        return fragment if hierarchy is None else hierarchy.part(fragment, fragment.numel())
+
+    def _part_num_parameters(self, index: int) -> int:
+        start, stop = self.bounds[index]
+        parameters = self._num_parameters(start, stop)
+        hierarchy = self.foreground.hierarchy
+        if hierarchy is None:
+            return parameters
+        part_start, part_stop = hierarchy.own_bounds(stop - start)
+        return max(0, min(part_stop, parameters) - part_start)
+
+    # ------------------------------------------------------------ the schedule
+
+    def after_step(self, step: int) -> bool:
+        """Start and merge what the plan says after optimizer ``step``; True when a fragment was merged."""
+        started = self.plan.started_after(step)
+        if started is not None:
+            self.start(started, step)
+        merged = self.plan.merged_after(step)
+        if merged is None:
+            return False
+        if self.in_flight is None or self.in_flight.fragment != merged:
+            raise RuntimeError(f"streaming synchronization: fragment {merged} is due to merge after step {step}, but "
+                               f"{'nothing' if self.in_flight is None else self.in_flight.fragment} is in flight")
+        self.merge_in_flight()
+        return True
+
+    def start(self, fragment: int, step: int) -> None:
+        """Copy this rank's fragment and start its exchange (in the background when ``tau > 0``)."""
+        if self.in_flight is not None:
+            raise RuntimeError(f"streaming synchronization: fragment {self.in_flight.fragment}'s exchange is still in "
+                               f"flight when fragment {fragment}'s starts")
+        start, stop = self.bounds[fragment]
+        snapshot = self.vector.get_range(start, stop)
+        job = self.in_flight = _InFlight(fragment, step)
+        if self.background is None:
+            job.mean = self.exchange(fragment, snapshot, self.foreground)
+            return
+        lanes = self.background
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def run() -> None:
+            try:
+                if self.stream is None:
+                    job.mean = self.exchange(fragment, snapshot, lanes)
+                else:
+                    with torch.cuda.stream(self.stream):
+                        job.mean = self.exchange(fragment, snapshot, lanes)
+                    self.stream.synchronize()
+            except BaseException as error:  # re-raised in the training thread when it collects the exchange
+                job.error = error
+
+        # A daemon: a thread blocked in a collective of a failed job must not keep the process alive at exit.
+        job.thread = threading.Thread(target=run, name=f"lightning_dist-streaming-fragment-{fragment}", daemon=True)
+        job.thread.start()
+
+    def collect(self) -> _InFlight | None:
+        """Wait for the exchange in flight (if any) to finish; its counters folded in; raises what it raised."""
+        job = self.in_flight
+        if job is None:
+            return None
+        if job.thread is not None:
+            job.thread.join()
+            job.thread = None
+            assert self.background is not None
+            self.foreground.world.stats.absorb(self.background.world.stats)
+        if job.error is not None:
+            self.in_flight = None
+            raise job.error
+        return job
+
+    def merge_in_flight(self) -> None:
+        """Algorithm 1's merge of the exchange in flight: outer step (DiLoCo), then the mix into the replica."""
+        job = self.collect()
+        assert job is not None and job.mean is not None
+        fragment, mean = job.fragment, job.mean
+        self.in_flight = None
+        outer = self.outer[fragment]
+        synchronized = mean if outer is None else outer.step(mean.to(self.state_device)).to(self.device)
+        start, stop = self.bounds[fragment]
+        alpha = self.plan.alpha
+        self.vector.set_range(start, synchronized if alpha == 0 else merge(self.vector.get_range(start, stop),
+                                                                             synchronized, alpha))
+        if self.compressed[fragment] is not None:  # the next deltas of this fragment are taken from its new model
+            # Under a hierarchy the part is a view of the whole fragment: keep a copy of the part alone.
+            self.compressed[fragment].hold(self._part(synchronized), copy=self.foreground.hierarchy is not None)
+
+    # ------------------------------------------------------------ one exchange
+
+    def exchange(self, fragment: int, snapshot: Tensor, lanes: Lanes) -> Tensor:
+        """The mean of every learner's ``snapshot`` of ``fragment``, the same on every rank (all collectives on
+        ``lanes``); refuses non-finite replicas by rank before anything is averaged."""
+        flag = torch.tensor([bool(torch.isfinite(snapshot).all())], dtype=torch.uint8, device=snapshot.device)
+        flags = lanes.world.all_gather(flag, "protocol").view(-1).tolist()
+        self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite])
+        part = self._part(snapshot)
+        compressed = self.compressed[fragment]
+        if compressed is not None:
+            mean_part = compressed.average(lanes.learners, part, self._part_num_parameters(fragment), "protocol")
+        else:
+            total = lanes.learners.all_reduce_sum_(part.to(accumulation_dtype(part.dtype), copy=True), "protocol")
+            mean_part = (total / lanes.learners.world_size).to(part.dtype)
+        if lanes.hierarchy is None:
+            return mean_part
+        return lanes.hierarchy.whole(mean_part, snapshot.numel(), "protocol")
+
+    def metrics(self) -> dict[str, float]:
+        """DiLoCo's counters over the fragments: outer steps taken, and the norms of each fragment's last step
+        combined as one model's (empty for plain averaging)."""
+        steps = [outer for outer in self.outer if outer is not None]
+        if not steps:
+            return {}
+        return {
+            "outer/steps": float(sum(outer.steps for outer in steps)),
+            "outer/pseudo_gradient_norm": float(sum(float(outer.pseudo_gradient_norm) ** 2 for outer in steps) ** 0.5),
+            "outer/update_norm": float(sum(float(outer.update_norm) ** 2 for outer in steps) ** 0.5),
+        }
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Shared state (the same on every rank): the plan, each fragment's outer state, the exchange in flight
+        with its mean (collected first: call :meth:`collect` on every rank before a checkpoint)."""
+        job = self.in_flight
+        return {
+            "plan": {"period": self.plan.period, "fragments": self.plan.fragments, "delay": self.plan.delay,
+                     "alpha": self.plan.alpha},
+            "outer": [None if outer is None else outer.state_dict() for outer in self.outer],
+            "in_flight": None if job is None else {"fragment": job.fragment, "started_at": job.started_at,
+                                                   "mean": job.mean.detach().cpu()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], strategy: str) -> None:
+        saved = dict(state["plan"])
+        now = {"period": self.plan.period, "fragments": self.plan.fragments, "delay": self.plan.delay,
+               "alpha": self.plan.alpha}
+        if saved != now:
+            raise ValueError(f"the checkpoint was written by {strategy} with streaming {saved} and is resumed with "
+                             f"{now}; resume with the period, fragments, fragment_sync_delay and fragment_update_alpha "
+                             "that wrote it")
+        for outer, outer_state in zip(self.outer, state["outer"]):
+            if (outer is None) != (outer_state is None):
+                raise ValueError(f"the checkpoint was written by {strategy} with the outer_optimizer set differently; "
+                                 "resume with the outer_optimizer setting that wrote it")
+            if outer is not None:
+                outer.load_state_dict(outer_state)
+        job = state["in_flight"]
+        self.in_flight = None
+        if job is not None:
+            self.in_flight = _InFlight(job["fragment"], job["started_at"])
+            self.in_flight.mean = job["mean"].to(self.device)
+
+    def worker_state_dict(self) -> dict[str, Any]:
+        """This rank's compressed exchanges' state, fragment by fragment (empty without compression)."""
+        if self.codec is None:
+            return {}
+        return {"compressed": [compressed.state_dict() for compressed in self.compressed if compressed is not None]}
+
+    def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`worker_state_dict`; an empty state (another layout) restarts every fragment's compressed
+        exchange from the fragment the replica now holds (the checkpoint's consensus), residuals at zero."""
+        if self.codec is None:
+            return
+        saved = state.get("compressed")
+        for index, compressed in enumerate(self.compressed):
+            assert compressed is not None
+            if saved is not None:
+                compressed.load_state_dict(saved[index], self.device)
+            else:
+                compressed.restart(self._part(self.vector.get_range(*self.bounds[index])))
+
+    def close(self) -> None:
+        if self.background is not None:
+            self.background.close()

@@ -1,0 +1,209 @@
+"""Streaming synchronization (Streaming DiLoCo, issue 41) in PeriodicAveragingStrategy, on 3 Gloo processes.
+
+Expected models are computed here, in float64, from the definition (lightning_dist/algorithms/streaming.py, Algorithm 1
+of Douillard et al. 2025) and the vectors each rank recorded before the protocol ran after every optimizer step:
+the mean of the replicas' fragment at its start step, DiLoCo's Nesterov outer step per fragment (lr 0.7, momentum
+0.9), and the mix ``alpha * local + (1 - alpha) * synchronized`` at the merge step, ``tau`` steps later.
+"""
+
+import pytest
+import torch
+
+from helpers.launch import load_results, run_ranks
+
+LR, MU = 0.7, 0.9
+PERIOD, FRAGMENTS, DELAY, ALPHA = 6, 3, 1, 0.5  # stride 2: starts after steps 1, 3, 5, ...; merges after 2, 4, 6, ...
+STREAM = {"period": PERIOD, "fragments": FRAGMENTS, "fragment_sync_delay": DELAY, "fragment_update_alpha": ALPHA}
+TRAINER = {"max_epochs": 2}  # 30 steps: digits, class-sorted over 3 ranks: 15 batches an epoch; the epoch-0 checkpoint is
+# written after step 15, with fragment 1's exchange (started after step 15) in flight
+EXACT = {**TRAINER, "precision": "64-true"}  # float64: the replay's rounding and the strategy's agree to 1e-12
+CASES = [
+    {"name": "stream_avg", "kwargs": STREAM, "trainer": EXACT},
+    {"name": "stream_diloco_float64", "kwargs": STREAM, "outer": True, "trainer": EXACT},
+    {"name": "stream_diloco", "kwargs": STREAM, "outer": True, "trainer": TRAINER, "checkpoint_dir": "ckpt"},
+    {"name": "stream_diloco_resumed", "kwargs": STREAM, "outer": True, "trainer": TRAINER,
+     "resume": "three/ckpt/epoch=0-*.ckpt"},
+    {"name": "stream_int8", "kwargs": {**STREAM, "compression": "int8"}, "trainer": EXACT},
+    {"name": "blocking_avg", "kwargs": {"period": PERIOD}, "trainer": EXACT},
+    {"name": "engine_avg", "kwargs": {"period": PERIOD, "state_device": "cpu"}, "trainer": EXACT},
+    {"name": "blocking_diloco", "kwargs": {"period": PERIOD}, "outer": True, "trainer": TRAINER},
+    {"name": "engine_diloco", "kwargs": {"period": PERIOD, "state_device": "cpu"}, "outer": True, "trainer": TRAINER},
+    {"name": "engine_diloco_int8", "kwargs": {"period": PERIOD, "state_device": "cpu", "compression": "int8"},
+     "outer": True, "trainer": TRAINER},
+    {"name": "blocking_diloco_int8", "kwargs": {"period": PERIOD, "compression": "int8"}, "outer": True,
+     "trainer": TRAINER},
+]
+RESIZED = [{"name": "stream_diloco_on_two", "kwargs": STREAM, "outer": True, "trainer": TRAINER,
+            "resume": "three/ckpt/epoch=0-*.ckpt"}]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streaming")
+    run_ranks(3, "streaming", {"cases": CASES}, root / "three", timeout=400)
+    run_ranks(2, "streaming", {"cases": RESIZED}, root / "two", timeout=200)
+    results = {case["name"]: load_results(root / "three" / case["name"], 3) for case in CASES}
+    results.update({case["name"]: load_results(root / "two" / case["name"], 2) for case in RESIZED})
+    results["checkpoint"] = torch.load(next((root / "three" / "ckpt").glob("epoch=0-*.ckpt")), weights_only=False)
+    return results
+
+
+def _ok(results):
+    for rank, result in enumerate(results):
+        assert result["error"] is None, f"rank {rank}: {result['error']}"
+    return results
+
+
+def _bounds(numel):
+    base, extra = divmod(numel, FRAGMENTS)
+    sizes = [base + (1 if index < extra else 0) for index in range(FRAGMENTS)]
+    starts = [sum(sizes[:index]) for index in range(FRAGMENTS)]
+    return [(start, start + size) for start, size in zip(starts, sizes)]
+
+
+class _Outer:
+    """DiLoCo's Nesterov outer step on one fragment, in float64."""
+
+    def __init__(self, theta, buffer=None):
+        self.theta, self.buffer = theta.double(), None if buffer is None else buffer.double()
+
+    def step(self, mean):
+        delta = self.theta - mean
+        self.buffer = delta if self.buffer is None else MU * self.buffer + delta
+        self.theta = self.theta - LR * (delta + MU * self.buffer)
+        return self.theta
+
+
+def _replay(results, outer: bool, atol: float):
+    """Check every rank's model after every step against the definition; return the number of merges seen."""
+    steps = [list(ranks) for ranks in zip(*(result["records"] for result in results))]
+    numel = results[0]["start"].numel()
+    bounds = _bounds(numel)
+    outers = [_Outer(results[0]["start"][start:stop]) for start, stop in bounds] if outer else None
+    snapshot, merges = None, 0
+    for records in steps:
+        step = records[0]["step"]
+        fragment = (step // (PERIOD // FRAGMENTS) - 1) % FRAGMENTS
+        if (step + DELAY) % (PERIOD // FRAGMENTS) == 0:  # a start: the mean of the copies taken now
+            start, stop = bounds[(((step + DELAY) // (PERIOD // FRAGMENTS)) - 1) % FRAGMENTS]
+            snapshot = torch.stack([record["before"][start:stop].double() for record in records]).mean(0)
+        merging = step % (PERIOD // FRAGMENTS) == 0
+        if merging:  # one outer step per merge, the same on every rank
+            start, stop = bounds[fragment]
+            synchronized = outers[fragment].step(snapshot) if outer else snapshot
+        for record in records:
+            expected = record["before"].double().clone()
+            if merging:
+                expected[start:stop] = ALPHA * expected[start:stop] + (1 - ALPHA) * synchronized
+            torch.testing.assert_close(record["after"].double(), expected, rtol=0, atol=atol)
+        if step % (PERIOD // FRAGMENTS) == 0:
+            merges += 1
+            moved = (records[0]["after"] - records[0]["before"]).abs()
+            start, stop = bounds[fragment]
+            assert moved[start:stop].max() > 0 and moved[:start].sum() == 0 and moved[stop:].sum() == 0
+    return merges
+
+
+@pytest.mark.parametrize("name, outer, atol", [("stream_avg", False, 1e-12), ("stream_diloco_float64", True, 1e-12),
+                                               ("stream_diloco", True, 2e-5)])
+def test_every_merge_is_the_definition_on_every_rank(runs, name, outer, atol):
+    """In float64 to rounding; in float32 (the resumed run's model) to float32's rounding of the sums."""
+    results = _ok(runs[name])
+    assert _replay(results, outer, atol) == 30 // (PERIOD // FRAGMENTS)
+    assert results[0]["comm"].syncs == 15
+
+
+def test_streaming_sends_the_blocking_bytes_plus_one_finiteness_flag_per_exchange(runs):
+    """Each fragment once per period: the bytes of blocking averaging, in 3x as many exchanges, each preceded by an
+    all-gather of one byte per rank; int8 sends about an eighth of float64's."""
+    stream, blocking, int8 = _ok(runs["stream_avg"]), _ok(runs["blocking_avg"]), _ok(runs["stream_int8"])
+    flags = 15 * 3 * 2  # exchanges x ranks x (ranks - 1) bytes
+    assert stream[0]["comm"].protocol_bytes == blocking[0]["comm"].protocol_bytes + flags
+    assert int8[0]["comm"].protocol_bytes < 0.15 * stream[0]["comm"].protocol_bytes
+    assert all(torch.isfinite(result["vector"]).all() for result in int8)
+
+
+@pytest.mark.parametrize("name", ["avg", "diloco", "diloco_int8"])
+def test_one_fragment_without_delay_is_blocking_synchronization_bit_for_bit(runs, name):
+    """P = 1, tau = 0, alpha = 0 through the fragment engine (state_device="cpu": outer state in host memory)
+    gives what the blocking path gives, at every step, on every rank."""
+    engine, blocking = _ok(runs[f"engine_{name}"]), _ok(runs[f"blocking_{name}"])
+    for a, b in zip(engine, blocking):
+        assert len(a["records"]) == len(b["records"]) == 30
+        for x, y in zip(a["records"], b["records"]):
+            assert torch.equal(x["after"], y["after"]), x["step"]
+        assert torch.equal(a["vector"], b["vector"])
+    assert engine[0]["comm"].syncs == blocking[0]["comm"].syncs == 5
+
+
+def test_resume_with_an_exchange_in_flight_is_bit_for_bit(runs):
+    """The checkpoint after step 15 holds fragment 1's exchange, started and not merged; resumed on 3 ranks the run
+    ends with the uninterrupted models (the exchange merged once, after step 16, neither lost nor doubled)."""
+    state = runs["checkpoint"]["lightning_dist"]["protocol"]["streaming"]
+    assert state["in_flight"]["fragment"] == 1 and state["in_flight"]["started_at"] == 15
+    full, resumed = _ok(runs["stream_diloco"]), _ok(runs["stream_diloco_resumed"])
+    for a, b in zip(full, resumed):
+        assert [record["step"] for record in b["records"]] == list(range(16, 31))
+        for x, y in zip(a["records"][15:], b["records"]):
+            assert torch.equal(x["after"], y["after"]), x["step"]
+        assert torch.equal(a["vector"], b["vector"])
+        assert a["metrics"] == b["metrics"]
+
+
+def test_resume_on_another_number_of_ranks_merges_the_exchange_in_flight_once(runs):
+    """On 2 ranks every replica starts from the checkpoint's consensus; after step 16 fragment 1 is the mix of each
+    replica with the outer step of the saved mean (the saved reference and momentum), and nothing else moves."""
+    results = _ok(runs["stream_diloco_on_two"])
+    state = runs["checkpoint"]["lightning_dist"]["protocol"]["streaming"]
+    assert torch.equal(results[0]["start"], results[1]["start"])
+    numel = results[0]["start"].numel()
+    start, stop = _bounds(numel)[1]
+    saved = state["outer"][1]
+    outer = _Outer(saved["reference"], saved["optimizer"]["state"][0]["momentum_buffer"])
+    synchronized = outer.step(state["in_flight"]["mean"].double())
+    for result in results:
+        first = result["records"][0]
+        assert first["step"] == 16
+        expected = first["before"].double().clone()
+        expected[start:stop] = ALPHA * expected[start:stop] + (1 - ALPHA) * synchronized
+        torch.testing.assert_close(first["after"].double(), expected, rtol=0, atol=2e-5)
+    merges = sum(1 for record in results[0]["records"] if record["step"] % (PERIOD // FRAGMENTS) == 0)
+    assert results[0]["comm"].syncs == 7 + merges  # 7 merged before the checkpoint, the one in flight after step 16
+
+
+def test_a_non_finite_replica_or_a_missing_rank_stops_every_rank_by_name_during_an_exchange_in_flight(tmp_path):
+    """Rank 1 turns non-finite after step 6: the exchange started after step 7 refuses it on every rank, naming it.
+    Rank 1 asleep for 12 s before its 4th step, while the exchange started after step 3 (and then 5) is in flight:
+    rank 0 raises, within the 2 s timeout, an error naming the exchange instead of hanging."""
+    stream = {"period": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+    # Two launches: Lightning's own collective before each batch runs on the default group, which keeps the timeout
+    # of the launch's first fit (and the late rank of the stall would miss the next fit's first collective).
+    nan = {"name": "nan", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": stream},
+           "nan": {"rank": 1, "step": 6}}
+    stall = {"name": "stall", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": stream, "timeout_seconds": 2},
+             "stall": {"rank": 1, "step": 3, "seconds": 12}}
+    for run in (nan, stall):
+        run_ranks(2, "fit", {"trainer": {"max_epochs": 1}, "runs": [run]}, tmp_path)
+    for result in load_results(tmp_path / "nan", 2):
+        assert result["error"] is not None and "NonFiniteModelError" in result["error"] and "rank(s) [1]" in result["error"]
+    waiting, late = load_results(tmp_path / "stall", 2)
+    assert waiting["error"].startswith("CollectiveError: lightning_dist: the "), waiting
+    assert "for 'protocol'" in waiting["error"] and "timeout (0:00:02" in waiting["error"]
+    assert waiting["fit_seconds"] < 12 <= late["fit_seconds"]
+    assert late["error"] is not None and "CollectiveError" in late["error"], late["error"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"period": 10, "fragments": 3}, "period (10) must be a multiple of fragments (3)"),
+    ({"period": 10, "fragments": 2, "fragment_sync_delay": 5}, "fragment_sync_delay must be an integer in [0, 4]"),
+    ({"period": 10, "fragment_update_alpha": 1.5}, "fragment_update_alpha must be a number in [0, 1]"),
+    ({"period": 10, "fragments": 11}, "fragments must be an integer in [1, 10]"),
+    ({"period": 10, "fragments": 2, "client_fraction": 0.5}, "need client_fraction=1"),
+    ({"period": 10, "state_device": "cuda"}, "state_device must be None or one of 'cpu'"),
+])
+def test_bad_streaming_arguments_are_refused_by_name(kwargs, message):
+    from lightning_dist import PeriodicAveragingStrategy
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        PeriodicAveragingStrategy(**kwargs)
