@@ -2,7 +2,9 @@
 
 Cells: subject x precision x layout.
 
-- subjects: the strategies ``dynamic_avg``, ``periodic_avg``, ``fedavg``, ``downpour_sgd``,
+- subjects: the strategies ``dynamic_avg``, ``periodic_avg``, ``streaming_diloco`` (Streaming DiLoCo, int8, an
+  exchange every step), ``streaming_cpu_state`` (exchanges in flight for a step on a CUDA side stream, the outer
+  state in host memory), ``fedavg``, ``downpour_sgd``,
   ``segmented_gossip`` (with periods of 1-2 steps, so that every protocol exchanges models), and the
   ``datagossip`` and ``cdgrab`` callbacks on ``strategy="ddp"``;
 - precisions: ``32-true``, ``bf16-mixed``, ``bf16-true``;
@@ -46,7 +48,7 @@ from benchmarks.common.launch import RunFailed, launch
 from benchmarks.common.paths import RESULTS
 from benchmarks.common.report import write_json
 
-SUBJECTS = ("dynamic_avg", "periodic_avg", "fedavg", "downpour_sgd", "segmented_gossip", "datagossip", "cdgrab")
+SUBJECTS = ("dynamic_avg", "periodic_avg", "streaming_diloco", "streaming_cpu_state", "fedavg", "downpour_sgd", "segmented_gossip", "datagossip", "cdgrab")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 GPU_LAYOUTS = ("gloo_shared_gpu", "nccl")
 NO_CUDA = 3

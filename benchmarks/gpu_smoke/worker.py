@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_dist
 from lightning_dist import CDGraB, DataGossip
+from lightning_dist.algorithms.outer import diloco_outer_optimizer
 from lightning_dist.data.datamodules import MNIST1DDataModule
 from lightning_dist.models import MLPClassifier
 
@@ -57,11 +58,17 @@ def make_strategy(subject: str, layout: str, world_size: int) -> Any:
     kwargs: dict[str, Any] = {
         "dynamic_avg": {"divergence_threshold": 1e-9, "check_every": 1},  # violations, balancing, full syncs
         "periodic_avg": {"period": 1},
+        # exchanges in flight on a CUDA side stream, merged a step later; outer state and int8 residuals per fragment
+        "streaming_diloco": {"period": 2, "fragments": 2, "fragment_sync_delay": 0, "fragment_update_alpha": 0.5,
+                             "outer_optimizer": diloco_outer_optimizer, "compression": "int8"},
+        "streaming_cpu_state": {"period": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
+                                "outer_optimizer": diloco_outer_optimizer, "state_device": "cpu"},
         "fedavg": {"period": 1, "client_fraction": 0.5},
         "downpour_sgd": {"push_every": 1},
         "segmented_gossip": {"segments": 2, "replicas": min(2, world_size - 1), "period": 1},
     }[subject]
     cls = {"dynamic_avg": "DynamicAveragingStrategy", "periodic_avg": "PeriodicAveragingStrategy",
+           "streaming_diloco": "PeriodicAveragingStrategy", "streaming_cpu_state": "PeriodicAveragingStrategy",
            "fedavg": "PeriodicAveragingStrategy", "downpour_sgd": "DownpourSGDStrategy",
            "segmented_gossip": "SegmentedGossipStrategy"}[subject]
     return getattr(lightning_dist, cls)(**kwargs, **backend)

@@ -84,8 +84,16 @@ def protocol_of(method: dict[str, Any]) -> Protocol:
     if method["kind"] == "ddp":
         hook = dict(method.get("hook") or {})
         return make_protocol("ddp", **({"hook": hook.pop("name"), **hook} if hook else {}))
+    if method["kind"] == "torchft":  # torchft's DiLoCo: the same algorithm (its fragments cut at tensor boundaries,
+        # its Lighthouse's quorums and heartbeats not modelled) as the package's periodic averaging with these arguments
+        torchft = method["torchft"]
+        method = {**method, "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {
+            "period": torchft["sync_every"], "fragments": torchft["fragments"],
+            "fragment_sync_delay": torchft["fragment_sync_delay"],
+            "fragment_update_alpha": torchft["fragment_update_alpha"]}}}
     kwargs = dict(method["strategy"]["kwargs"])
     kwargs.pop("hierarchy", None)  # the Simulation's, not the protocol's (hierarchy_of)
+    kwargs.pop("state_device", None)  # where the strategy keeps its state: no effect on the simulated run
     cls = method["strategy"]["class"]
     if method.get("outer"):
         if method["outer"] != {"lr": 0.7, "momentum": 0.9, "nesterov": True}:
