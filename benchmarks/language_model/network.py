@@ -129,6 +129,8 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
                                      check_every=CHECK_EVERY)
     stream = {"fragments": STREAM_FRAGMENTS, "fragment_sync_delay": STREAM_DELAY, "fragment_update_alpha": STREAM_ALPHA}
     streaming = f"{STREAM_FRAGMENTS} fragments, tau={STREAM_DELAY}, alpha={STREAM_ALPHA:g}"
+    stream_a0 = {**stream, "fragment_update_alpha": 0.0}
+    streaming_a0 = f"{STREAM_FRAGMENTS} fragments, tau={STREAM_DELAY}, alpha=0"
     return [
         {"name": "ddp", "kind": "ddp", "label": "DDP (gradient all-reduce every step)"},
         {"name": "ddp_powersgd_r1", "kind": "ddp", "label": "DDP + PowerSGD rank 1 (error feedback, from step 2)",
@@ -186,6 +188,13 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
         {"name": "periodic_h50_stream_int8", "kind": "streaming",
          "label": f"streaming periodic averaging, every {DILOCO_PERIOD} steps, {streaming}, int8",
          "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream, compression="int8")},
+        # alpha = 0 (torchft's default): a merge takes the synchronized fragment whole, as blocking averaging does
+        {"name": "periodic_h50_stream_a0", "kind": "streaming",
+         "label": f"streaming periodic averaging, every {DILOCO_PERIOD} steps, {streaming_a0}",
+         "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream_a0)},
+        {"name": "periodic_h50_stream_a0_int8", "kind": "streaming",
+         "label": f"streaming periodic averaging, every {DILOCO_PERIOD} steps, {streaming_a0}, int8",
+         "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream_a0, compression="int8")},
         {"name": "diloco_stream", "kind": "streaming",
          "label": f"streaming DiLoCo, every {DILOCO_PERIOD} steps, {streaming}",
          "strategy": strategy("PeriodicAveragingStrategy", period=DILOCO_PERIOD, **stream), "outer": DILOCO_OUTER},
