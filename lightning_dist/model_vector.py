@@ -39,11 +39,15 @@ class ModelVector:
             chunk.copy_(tensor.detach().reshape(-1))
         return vector
 
-    def get_range(self, start: int, stop: int, dtype: torch.dtype | None = None) -> Tensor:
+    def get_range(self, start: int, stop: int, dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
         """A new copy of :meth:`get`'s ``[start, stop)`` without materializing the rest (a fragment or bucket of a
-        large model: extra memory of ``stop - start`` elements)."""
+        large model: extra memory of ``stop - start`` elements), or that copy written into ``out`` (a flat tensor of
+        ``stop - start`` elements, which is returned)."""
         self._check_range(start, stop)
-        vector = torch.empty(stop - start, dtype=dtype or self.dtype, device=self._tensors[0].device)
+        if out is not None and out.shape != (stop - start,):
+            raise ValueError(f"out must be a flat tensor of {stop - start} elements; got shape {tuple(out.shape)}")
+        vector = out if out is not None else torch.empty(stop - start, dtype=dtype or self.dtype,
+                                                         device=self._tensors[0].device)
         for tensor, (lo, hi), (offset, _) in self._overlaps(start, stop):
             vector[lo - start:hi - start].copy_(tensor.detach().reshape(-1)[lo - offset:hi - offset])
         return vector

@@ -31,6 +31,23 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+FINITE_CHUNK = 2**20
+"""Elements per piece of :func:`all_finite`'s exact check."""
+
+
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite, without a temporary of its size.
+
+    ``torch.isfinite(t).all()`` builds ``|t|`` and three masks of ``t``'s size (a model copy and more, per check). The
+    sum of ``t`` in its own dtype is non-finite whenever an element is (NaN and infinities propagate), and can only
+    be wrongly non-finite by overflowing; then the exact check decides, a piece of :data:`FINITE_CHUNK` elements at a
+    time.
+    """
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return all(bool(torch.isfinite(piece).all()) for piece in tensor.reshape(-1).split(FINITE_CHUNK))
+
+
 def accumulated_nbytes(numel: int, dtype: torch.dtype) -> int:
     """The bytes of ``numel`` entries summed in :func:`accumulation_dtype` of ``dtype``: what a full
     synchronization's all-reduce moves."""

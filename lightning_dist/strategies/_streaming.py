@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.averaging import accumulation_dtype, all_finite
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.algorithms.streaming import StreamingPlan, merge
 from lightning_dist.comm import Communicator
@@ -213,7 +213,7 @@ class StreamingSync:
     def exchange(self, fragment: int, snapshot: Tensor, lanes: Lanes) -> Tensor:
         """The mean of every learner's ``snapshot`` of ``fragment``, the same on every rank (all collectives on
         ``lanes``); refuses non-finite replicas by rank before anything is averaged."""
-        flag = torch.tensor([bool(torch.isfinite(snapshot).all())], dtype=torch.uint8, device=snapshot.device)
+        flag = torch.tensor([all_finite(snapshot)], dtype=torch.uint8, device=snapshot.device)
         flags = lanes.world.all_gather(flag, "protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite])
         part = self._part(snapshot)
@@ -221,8 +221,9 @@ class StreamingSync:
         if compressed is not None:
             mean_part = compressed.average(lanes.learners, part, self._part_num_parameters(fragment), "protocol")
         else:
-            total = lanes.learners.all_reduce_sum_(part.to(accumulation_dtype(part.dtype), copy=True), "protocol")
-            mean_part = (total / lanes.learners.world_size).to(part.dtype)
+            # ``snapshot`` is this exchange's own copy: summed in place when it is in the accumulation dtype already
+            total = lanes.learners.all_reduce_sum_(part.to(accumulation_dtype(part.dtype)), "protocol")
+            mean_part = total.div_(lanes.learners.world_size).to(part.dtype)
         if lanes.hierarchy is None:
             return mean_part
         return lanes.hierarchy.whole(mean_part, snapshot.numel(), "protocol")

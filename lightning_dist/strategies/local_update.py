@@ -35,6 +35,7 @@ from lightning_dist.algorithms.arguments import check_compression, check_hierarc
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.comm import CommStats, Communicator, check_timeout, new_group, restart_scoped_store
 from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies._bucketed_average import average_in_place as bucketed_average
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
 from lightning_dist.strategies._compressed_average import CompressedAverage
 from lightning_dist.strategies._hierarchy import NodeHierarchy
@@ -323,6 +324,14 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         if not bool(torch.isfinite(total).all()):
             self.raise_if_non_finite(local)
         return (total / self.comm.world_size).to(local.dtype)
+
+    def average_in_place(self, purpose: str) -> None:
+        """Replace every replica by the mean of all replicas a bucket at a time (flat, uncompressed): the arithmetic
+        and bytes of :meth:`average_all` then :meth:`set_common_model`, with one bucket of extra memory
+        (:func:`~lightning_dist.strategies._bucketed_average.average_in_place`)."""
+        assert self._hierarchy is None and self._compressed is None, "average_in_place: flat, uncompressed only"
+        bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite)
+        self._replicas_in_sync = True
 
     @staticmethod
     def start_sum(local: Tensor) -> Tensor:

@@ -32,6 +32,13 @@ CASES = [
      "outer": True, "trainer": TRAINER},
     {"name": "blocking_diloco_int8", "kwargs": {"period": PERIOD, "compression": "int8"}, "outer": True,
      "trainer": TRAINER},
+    # The allocator's peak during the protocol: blocking averaging in buckets of 1000 elements; streaming without delay
+    # or mixing (its exchange in the training thread, where the profiler sees it); streaming DiLoCo with both.
+    {"name": "memory_blocking", "kwargs": {"period": PERIOD}, "trainer": EXACT, "memory": True, "bucket": 1000},
+    {"name": "memory_stream", "kwargs": {"period": PERIOD, "fragments": FRAGMENTS}, "trainer": TRAINER,
+     "memory": True},
+    {"name": "memory_stream_diloco", "kwargs": {**STREAM, "fragment_sync_delay": 0}, "outer": True,
+     "trainer": TRAINER, "memory": True},
 ]
 RESIZED = [{"name": "stream_diloco_on_two", "kwargs": STREAM, "outer": True, "trainer": TRAINER,
             "resume": "three/ckpt/epoch=0-*.ckpt"}]
@@ -207,3 +214,24 @@ def test_bad_streaming_arguments_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
         PeriodicAveragingStrategy(**kwargs)
+
+
+def test_a_synchronization_allocates_one_bucket_or_one_fragment(runs):
+    """Measured with the allocator (the profiler's memory events, in the training thread): blocking averaging's
+    peak is one bucket (1000 float64 elements) and it gives the unbucketed average to rounding; a streaming
+    exchange's peak is one fragment (its copy, summed in place); streaming DiLoCo's merge, with the outer step and
+    the mix, stays within five fragments (the outer step's start copy, pseudo-gradient, update and result, and the
+    mix) and six at a fragment's first merge (its momentum buffer is created then and kept)."""
+    blocking, bucketed = _ok(runs["blocking_avg"]), _ok(runs["memory_blocking"])
+    flag = 64  # the finiteness flags and their all-gather: a few bytes each, in allocations of at least 8
+    for a, b in zip(blocking, bucketed):
+        torch.testing.assert_close(b["vector"], a["vector"], rtol=0, atol=1e-12)
+        assert max(record["peak_bytes"] for record in b["records"]) <= 1000 * 8 + flag
+    numel = blocking[0]["vector"].numel()
+    fragment = -(-numel // FRAGMENTS) * 4  # float32
+    for result in _ok(runs["memory_stream"]):
+        peaks = [record["peak_bytes"] for record in result["records"] if record["step"] % (PERIOD // FRAGMENTS) == 0]
+        assert len(peaks) == 15 and fragment <= max(peaks) <= fragment + flag, (max(peaks), fragment)
+    for result in _ok(runs["memory_stream_diloco"]):
+        peaks = [record["peak_bytes"] for record in result["records"] if record["peak_bytes"]]
+        assert max(peaks[:FRAGMENTS]) <= 6 * fragment + flag and max(peaks[FRAGMENTS:]) <= 5 * fragment + flag, peaks

@@ -2,10 +2,12 @@
 
 Usage: torchrun --nproc_per_node=N streaming.py spec.json (see tests/helpers/launch.py). Spec keys: ``cases``,
 run in order as separate ``Trainer.fit`` calls in the same processes, each ``{"name", "kwargs", "trainer",
-"outer"?, "checkpoint_dir"?, "resume"?}`` (``kwargs`` of ``PeriodicAveragingStrategy``; ``outer``: DiLoCo's
-Nesterov SGD, lr 0.7, momentum 0.9; ``resume``: a glob, relative to ``out``, of a checkpoint an earlier case or
-launch wrote); ``out``. Each case writes ``<out>/<name>/rank<r>.pt``: its error, or the start vector, this rank's
-vector before and after the protocol at every step, the final vector, the protocol state and the counters.
+"outer"?, "checkpoint_dir"?, "resume"?, "memory"?, "bucket"?}`` (``kwargs`` of ``PeriodicAveragingStrategy``;
+``outer``: DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9; ``resume``: a glob, relative to ``out``, of a checkpoint an
+earlier case or launch wrote; ``memory``: record the allocator's peak of bytes allocated by the protocol after every
+step; ``bucket``: ``average_in_place``'s bucket for the case); ``out``. Each case writes ``<out>/<name>/rank<r>.pt``:
+its error, or the start vector, this rank's vector before and after the protocol at every step (and its peak), the
+final vector, the protocol state and the counters.
 """
 
 import functools
@@ -19,25 +21,47 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+import lightning_dist.strategies._bucketed_average as bucketed
 from lightning_dist import PeriodicAveragingStrategy
 from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
+
+
+def allocated_peak(kineto_results: Any) -> int:
+    """The most bytes the allocator held at once for allocations made in a profiled window, from the profiler's
+    memory events (each allocation's and each free's size, in time order)."""
+    events = sorted((event.start_ns(), event.nbytes()) for event in kineto_results.events() if event.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 class RecordingPeriodic(PeriodicAveragingStrategy):
     """The strategy under test, recording this rank's vector around the protocol after every optimizer step."""
 
     records: list[dict[str, Any]]
+    measure_memory = False
 
     def after_local_step(self, step: int) -> None:
         before = self.model_vector.get()
-        super().after_local_step(step)
-        self.records.append({"step": step, "before": before, "after": self.model_vector.get()})
+        peak = None
+        if self.measure_memory:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                super().after_local_step(step)
+            peak = allocated_peak(prof.profiler.kineto_results)
+        else:
+            super().after_local_step(step)
+        self.records.append({"step": step, "before": before, "after": self.model_vector.get(), "peak_bytes": peak})
 
 
 class RecordStart(Callback):
     def on_train_start(self, trainer, pl_module):
         self.start = trainer.strategy.model_vector.get()
+
+
+DEFAULT_BUCKET = bucketed.AVERAGE_BUCKET
 
 
 def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -47,6 +71,8 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
         kwargs["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     strategy = RecordingPeriodic(**kwargs)
     strategy.records = []
+    strategy.measure_memory = bool(case.get("memory"))
+    bucketed.AVERAGE_BUCKET = case.get("bucket", DEFAULT_BUCKET)
     datamodule = DigitsDataModule(partition="class_sorted")
     torch.manual_seed(1000 + int(os.environ["RANK"]))  # replicas must be made identical by the strategy
     model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes)
