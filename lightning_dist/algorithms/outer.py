@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.averaging import AVERAGE_BUCKET, accumulation_dtype, all_finite
 
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
 """Builds the outer optimizer over the given tensors, like ``lightning.pytorch.cli.OptimizerCallable``
@@ -67,23 +67,30 @@ class OuterStep:
     returned as averaged. They are statistics, not trained by gradients, and momentum would push a
     running variance past its average, below zero.
 
-    The optimizer sees the reference as one flat tensor (one parameter, one group). Element-wise
-    optimizers (SGD, Nesterov, Adam) behave as on the model's tensors; one that uses per-tensor
-    norms (LARS, LAMB) would take the whole model as one tensor.
+    The optimizer sees the reference as consecutive flat pieces of ``bucket`` entries (one group; one piece
+    for a model under ``bucket``), so that a strategy can take the outer step a bucket at a time
+    (:meth:`step_range`) with no model-sized temporary. Element-wise optimizers (SGD, Nesterov, Adam) behave
+    as on the model's tensors, bit for bit whatever the pieces; one that uses per-tensor norms (LARS, LAMB)
+    would take each piece as one tensor.
 
     Args:
         start: the common start model (parameters only), in the model's dtype.
-        optimizer: ``OuterOpt``, built once over ``[reference]``.
+        optimizer: ``OuterOpt``, built once over the reference's pieces.
+        bucket: entries per piece (default :data:`~lightning_dist.algorithms.averaging.AVERAGE_BUCKET`).
     """
 
-    def __init__(self, start: Tensor, optimizer: OuterOptimizerFactory) -> None:
+    def __init__(self, start: Tensor, optimizer: OuterOptimizerFactory, bucket: int = AVERAGE_BUCKET) -> None:
         if start.dim() != 1 or not start.is_floating_point():
             raise ValueError(
                 f"start must be a flat floating-point model vector; got {start.dtype} of shape {tuple(start.shape)}"
             )
         self.dtype = start.dtype
+        if bucket < 1:
+            raise ValueError(f"bucket must be a positive number of entries; got {bucket}")
         self.reference = start.detach().to(accumulation_dtype(start.dtype), copy=True)
-        self.optimizer = optimizer([self.reference])
+        self.bucket = bucket
+        self.pieces = list(self.reference.split(bucket))  # views: stepping one moves the reference
+        self.optimizer = optimizer(self.pieces)
         if not isinstance(self.optimizer, Optimizer):
             raise ValueError(
                 "outer_optimizer must build a torch.optim.Optimizer from the reference tensor; "
@@ -92,6 +99,7 @@ class OuterStep:
         self.steps = 0
         self.pseudo_gradient_norm = torch.zeros((), dtype=self.reference.dtype, device=self.reference.device)
         self.update_norm = torch.zeros_like(self.pseudo_gradient_norm)
+        self._squares = torch.zeros(2, dtype=self.reference.dtype, device=self.reference.device)
 
     @property
     def start(self) -> Tensor:
@@ -112,22 +120,52 @@ class OuterStep:
                 f"average must be a flat model vector of at least {size} entries (the reference's); "
                 f"got shape {tuple(average.shape)}"
             )
-        start = self.start
-        pseudo_gradient = start.to(self.reference.dtype) - average[:size].to(self.reference.dtype)
-        self.reference.grad = pseudo_gradient
-        self.optimizer.step()
-        self.reference.grad = None
-        if not bool(torch.isfinite(self.reference).all()):
-            raise FloatingPointError(
-                "the outer optimizer's step made the reference model non-finite (the replicas' average was finite): "
-                "lower outer_optimizer's learning rate"
+        result = average.to(self.reference.dtype, copy=True)
+        for start in range(0, max(size, 1), self.bucket):
+            self.step_range(start, result[start:start + self.bucket] if start + self.bucket < size else result[start:])
+        return result.to(self.dtype)
+
+    @torch.no_grad()
+    def step_range(self, start: int, mean: Tensor) -> Tensor:
+        """The outer step of the model vector's entries ``[start, start + len(mean))``, in place in ``mean``.
+
+        ``mean`` holds the replicas' mean there, in the reference's dtype (rounded to the model's dtype first, as
+        the replicas would hold it); it is overwritten with ``theta^(t)`` there (entries past the reference pass
+        through), which the caller writes back to the model. One outer step is the ranges ``[0, b)``, ``[b, 2b)``,
+        ... of ``b = bucket`` entries in order, the last reaching the end of the vector: a strategy averages and
+        steps one bucket at a time, and the temporaries are a bucket's.
+        """
+        size, stop = self.reference.numel(), start + mean.numel()
+        if mean.dim() != 1 or mean.dtype != self.reference.dtype or start % self.bucket or (
+                stop < size and mean.numel() != self.bucket):
+            raise ValueError(
+                f"step_range takes whole buckets of {self.bucket} entries from a multiple of it, in "
+                f"{self.reference.dtype} (the last bucket reaching past the reference); got {mean.dtype} entries "
+                f"[{start}, {stop})"
             )
-        result = average.to(self.dtype, copy=True)
-        result[:size] = self.reference
-        self.steps += 1
-        self.pseudo_gradient_norm = torch.linalg.vector_norm(pseudo_gradient)
-        self.update_norm = torch.linalg.vector_norm(result[:size].to(self.reference.dtype) - start)
-        return result
+        if start == 0:
+            self._squares.zero_()
+        if self.dtype != mean.dtype:  # the mean the replicas would hold: rounded to the model's dtype
+            mean.copy_(mean.to(self.dtype))
+        if start < size:
+            piece, part = self.pieces[start // self.bucket], mean[:min(stop, size) - start]
+            begin = piece.to(self.dtype, copy=True).to(piece.dtype)  # theta^(t-1) as the replicas hold it
+            pseudo_gradient = part.neg_().add_(begin)  # start - mean (a - b is a + (-b), bit for bit)
+            self._squares[0] += torch.linalg.vector_norm(pseudo_gradient).square()
+            piece.grad = pseudo_gradient
+            self.optimizer.step()  # moves this piece only: the others have no gradient
+            piece.grad = None
+            if not all_finite(piece):
+                raise FloatingPointError(
+                    "the outer optimizer's step made the reference model non-finite (the replicas' average was "
+                    "finite): lower outer_optimizer's learning rate"
+                )
+            part.copy_(piece.to(self.dtype))
+            self._squares[1] += torch.linalg.vector_norm(begin.sub_(part)).square()
+        if start < size <= stop or start == size == 0:  # the range holding the last parameter ends the step
+            self.steps += 1
+            self.pseudo_gradient_norm, self.update_norm = self._squares.sqrt().unbind()
+        return mean
 
     def metrics(self, prefix: str = "outer") -> dict[str, float]:
         """Outer steps taken and the norms of the last one: ``||Delta||`` and how far it moved the model."""

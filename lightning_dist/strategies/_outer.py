@@ -13,14 +13,16 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_dist.algorithms import averaging
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 
 OUTER_KEY = "outer"
 
 
 def build_outer_step(factory: OuterOptimizerFactory | None, start: Tensor) -> OuterStep | None:
-    """An :class:`OuterStep` from the common start model's parameters, or None without an outer optimizer."""
-    return None if factory is None else OuterStep(start, factory)
+    """An :class:`OuterStep` from the common start model's parameters, or None without an outer optimizer; its
+    pieces are the buckets a blocking synchronization averages (``AVERAGE_BUCKET``, read now)."""
+    return None if factory is None else OuterStep(start, factory, averaging.AVERAGE_BUCKET)
 
 
 def outer_state(outer: OuterStep | None) -> dict[str, Any]:

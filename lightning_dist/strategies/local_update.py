@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_dist.algorithms.arguments import check_compression, check_hierarchy
 from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.comm import CommStats, Communicator, check_timeout, new_group, restart_scoped_store
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._bucketed_average import average_in_place as bucketed_average
@@ -325,12 +326,17 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             self.raise_if_non_finite(local)
         return (total / self.comm.world_size).to(local.dtype)
 
-    def average_in_place(self, purpose: str) -> None:
-        """Replace every replica by the mean of all replicas a bucket at a time (flat, uncompressed): the arithmetic
-        and bytes of :meth:`average_all` then :meth:`set_common_model`, with one bucket of extra memory
+    def average_in_place(self, purpose: str, outer: OuterStep | None = None) -> None:
+        """Replace every replica by the mean of all replicas, or DiLoCo's ``outer`` step from it, a bucket at a time
+        (flat, uncompressed): the arithmetic and bytes of :meth:`average_all` (and ``outer.step``) then
+        :meth:`set_common_model`, with a few buckets of extra memory, never a model's
         (:func:`~lightning_dist.strategies._bucketed_average.average_in_place`)."""
         assert self._hierarchy is None and self._compressed is None, "average_in_place: flat, uncompressed only"
-        bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite)
+        if outer is None:
+            bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite)
+        else:
+            bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite, outer.step_range,
+                             outer.bucket)
         self._replicas_in_sync = True
 
     @staticmethod

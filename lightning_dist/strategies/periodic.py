@@ -163,8 +163,8 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             return
         learners = self.learners.world_size  # ranks, or nodes under a hierarchy
         participants = sample_participants(learners, self.client_fraction, self._generator)
-        if len(participants) == learners and self._outer is None and self._compressed is None and self._hierarchy is None:
-            self.average_in_place("protocol")  # a bucket at a time, never a copy of the model
+        if len(participants) == learners and self._compressed is None and self._hierarchy is None:
+            self.average_in_place("protocol", self._outer)  # a bucket at a time, never a copy of the model
         elif len(participants) == learners:
             mean = self.synchronize_all("protocol")
             self.set_common_model(mean if self._outer is None else self._outer.step(mean))

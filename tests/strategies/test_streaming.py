@@ -35,6 +35,8 @@ CASES = [
     # The allocator's peak during the protocol: blocking averaging in buckets of 1000 elements; streaming without delay
     # or mixing (its exchange in the training thread, where the profiler sees it); streaming DiLoCo with both.
     {"name": "memory_blocking", "kwargs": {"period": PERIOD}, "trainer": EXACT, "memory": True, "bucket": 1000},
+    {"name": "memory_blocking_diloco", "kwargs": {"period": PERIOD}, "outer": True, "trainer": TRAINER, "memory": True,
+     "bucket": 1000},
     {"name": "memory_stream", "kwargs": {"period": PERIOD, "fragments": FRAGMENTS}, "trainer": TRAINER,
      "memory": True},
     {"name": "memory_stream_diloco", "kwargs": {**STREAM, "fragment_sync_delay": 0}, "outer": True,
@@ -218,7 +220,8 @@ def test_bad_streaming_arguments_are_refused_by_name(kwargs, message):
 
 def test_a_synchronization_allocates_one_bucket_or_one_fragment(runs):
     """Measured with the allocator (the profiler's memory events, in the training thread): blocking averaging's
-    peak is one bucket (1000 float64 elements) and it gives the unbucketed average to rounding; a streaming
+    peak is one bucket (1000 float64 elements) and it gives the unbucketed average to rounding, blocking DiLoCo's
+    three buckets (after the first outer step, which makes the momentum); a streaming
     exchange's peak is one fragment (its copy, summed in place); streaming DiLoCo's merge, with the outer step and
     the mix, stays within five fragments (the outer step's start copy, pseudo-gradient, update and result, and the
     mix) and six at a fragment's first merge (its momentum buffer is created then and kept)."""
@@ -227,7 +230,16 @@ def test_a_synchronization_allocates_one_bucket_or_one_fragment(runs):
     for a, b in zip(blocking, bucketed):
         torch.testing.assert_close(b["vector"], a["vector"], rtol=0, atol=1e-12)
         assert max(record["peak_bytes"] for record in b["records"]) <= 1000 * 8 + flag
+    # Blocking DiLoCo a bucket at a time (OuterStep.step_range): the bucket, the start it is stepped from and the
+    # Nesterov update's temporary, after the first outer step, which also makes the kept momentum (one model).
+    diloco, diloco_bucketed = _ok(runs["blocking_diloco"]), _ok(runs["memory_blocking_diloco"])
     numel = blocking[0]["vector"].numel()
+    for a, b in zip(diloco, diloco_bucketed):
+        torch.testing.assert_close(b["vector"], a["vector"])  # the sums' order differs with the buckets: rounding
+        assert a["metrics"]["outer/steps"] == b["metrics"]["outer/steps"] == 5
+        peaks = [record["peak_bytes"] for record in b["records"] if record["step"] % PERIOD == 0]
+        assert len(peaks) == 5 and peaks[0] >= numel * 4, peaks
+        assert max(peaks[1:]) <= 3 * 1000 * 4 + flag, peaks
     fragment = -(-numel // FRAGMENTS) * 4  # float32
     for result in _ok(runs["memory_stream"]):
         peaks = [record["peak_bytes"] for record in result["records"] if record["step"] % (PERIOD // FRAGMENTS) == 0]

@@ -5,7 +5,7 @@ run in order as separate ``Trainer.fit`` calls in the same processes, each ``{"n
 "outer"?, "checkpoint_dir"?, "resume"?, "memory"?, "bucket"?}`` (``kwargs`` of ``PeriodicAveragingStrategy``;
 ``outer``: DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9; ``resume``: a glob, relative to ``out``, of a checkpoint an
 earlier case or launch wrote; ``memory``: record the allocator's peak of bytes allocated by the protocol after every
-step; ``bucket``: ``average_in_place``'s bucket for the case); ``out``. Each case writes ``<out>/<name>/rank<r>.pt``:
+step; ``bucket``: ``AVERAGE_BUCKET`` for the case (averaging's and DiLoCo's outer step's)); ``out``. Each case writes ``<out>/<name>/rank<r>.pt``:
 its error, or the start vector, this rank's vector before and after the protocol at every step (and its peak), the
 final vector, the protocol state and the counters.
 """
@@ -21,7 +21,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-import lightning_dist.strategies._bucketed_average as bucketed
+import lightning_dist.algorithms.averaging as averaging
 from lightning_dist import PeriodicAveragingStrategy
 from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
@@ -61,7 +61,7 @@ class RecordStart(Callback):
         self.start = trainer.strategy.model_vector.get()
 
 
-DEFAULT_BUCKET = bucketed.AVERAGE_BUCKET
+DEFAULT_BUCKET = averaging.AVERAGE_BUCKET
 
 
 def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     strategy = RecordingPeriodic(**kwargs)
     strategy.records = []
     strategy.measure_memory = bool(case.get("memory"))
-    bucketed.AVERAGE_BUCKET = case.get("bucket", DEFAULT_BUCKET)
+    averaging.AVERAGE_BUCKET = case.get("bucket", DEFAULT_BUCKET)
     datamodule = DigitsDataModule(partition="class_sorted")
     torch.manual_seed(1000 + int(os.environ["RANK"]))  # replicas must be made identical by the strategy
     model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes)
