@@ -11,7 +11,7 @@ the same initial weights; ``TransformerLM`` with the spec's arguments; the same 
 this rank's ``train_loader(world, rank)``, ``set_epoch`` every epoch as Lightning does); the inner optimizer and its
 schedule from ``TransformerLM.configure_optimizers`` (AdamW, decay on the matrices only, linear warmup stepped after
 every optimizer step); deterministic algorithms; one thread per rank. Timing and recording are ``worker.Snapshots``'
-and ``worker.collect``'s: after every optimizer step rank 0 decides (a broadcast of two numbers on the launch's
+and ``recording.collect``'s: after every optimizer step rank 0 decides (a broadcast of two numbers on the launch's
 process group) whether to copy the parameters (every ``budget_s / snapshots`` seconds) and whether the budget is
 spent; each copy keeps the clock and the bytes ``/sys/class/net/eth0`` has sent; every step's end is kept
 (``step_ends``), and the optimizer-step hook's time at every fragment merge (``rounds``, as ``after_local_step``'s
@@ -165,7 +165,7 @@ def port_of(address: str) -> int:
 
 def fit_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
     """Train ``spec``'s model with torchft's DiLoCo as ``run["torchft"]`` says, for the spec's budget; return rank 0's
-    result (``worker.collect``'s, with ``torchft`` added), None on the other ranks."""
+    result (``recording.collect``'s, with ``torchft`` added), None on the other ranks."""
     import lightning as L
     import torch.distributed as dist
     from torch.nn.utils import parameters_to_vector
@@ -173,7 +173,7 @@ def fit_run(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any] | None:
     from torchft._torchft import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
-    from benchmarks.language_model.worker import collect, wire_bytes
+    from benchmarks.language_model.recording import collect, wire_bytes
     from lightning_dist.data import StdlibTextDataModule
     from lightning_dist.models import TransformerLM
 
