@@ -33,11 +33,12 @@ def worker_env() -> dict[str, str]:
 
 
 def launch(
-    spec: dict[str, Any], ranks: int, work_dir: Path, timeout: float, worker: Path
+    spec: dict[str, Any], ranks: int, work_dir: Path, timeout: float, worker: Path, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run one spec under torchrun with ``worker``; return its JSON result (with ``launch_s`` added).
+    """Run one spec under torchrun with ``worker``; return its JSON result (with ``launch_s`` and ``exit_code``).
 
-    The spec goes to ``work_dir/<name>.spec.json``, the processes' output to ``<name>.log``.
+    The spec goes to ``work_dir/<name>.spec.json``, the processes' output to ``<name>.log``; ``env`` is added to
+    :func:`worker_env`. torchrun runs in a session of its own, killed whole (its workers too) on a timeout.
     """
     work_dir.mkdir(parents=True, exist_ok=True)
     name = spec["name"]
@@ -52,22 +53,26 @@ def launch(
     ]
     start = time.perf_counter()
     with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**worker_env(), **(env or {})},
+                                   cwd=REPO, start_new_session=True)
         try:
-            process = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise RunFailed(f"{name}: torchrun did not finish within {timeout:.0f} s; see {log_path}") from exc
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: the session started above
+            process.wait()
+            code = None
     elapsed = time.perf_counter() - start
     if not result_path.exists():
         tail = "\n".join(log_path.read_text().splitlines()[-40:])
-        raise RunFailed(f"{name}: torchrun exited {process.returncode}; last lines of {log_path}:\n{tail}")
+        reason = f"did not finish within {timeout:.0f} s" if code is None else f"torchrun exited {code}"
+        raise RunFailed(f"{name}: {reason}; last lines of {log_path}:\n{tail}")
     result = json.loads(result_path.read_text())
     result["launch_s"] = elapsed
-    result["exit_code"] = process.returncode
-    if process.returncode != 0:
+    result["exit_code"] = code
+    if code != 0:
         # Rank 0 writes the result after fit and the final counters; a failure after that is a
         # teardown problem, reported but not fatal to the measurement.
-        print(f"\nwarning: {name}: torchrun exited {process.returncode} after writing its result; see {log_path}",
-              file=sys.stderr)
+        print(f"\nwarning: {name}: torchrun exited {code} after writing its result; see {log_path}", file=sys.stderr)
     return result
 
 

@@ -32,16 +32,14 @@ import argparse
 import inspect
 import json
 import os
-import signal
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.launch import free_port, worker_env
+from benchmarks.common.launch import RunFailed, launch
 from benchmarks.common.paths import REPO, RESULTS
 from benchmarks.common.report import check_names, command_line, pyplot, save_figure, write_json
 from benchmarks.large_model.memory import MALLOC_ENV
@@ -117,35 +115,15 @@ def available_bytes(meminfo: str | None = None) -> int:
 
 
 def launch_row(spec: dict[str, Any], ranks: int, work_dir: Path, timeout: float) -> dict[str, Any]:
-    """Run one row's worker under torchrun, in a process group of its own that is killed whole on a timeout (a
-    row's ranks hold gigabytes); return rank 0's JSON, or a failed row's record."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    name = spec["name"]
-    result_path = work_dir / f"{name}.result.json"
-    result_path.unlink(missing_ok=True)
-    spec_path = work_dir / f"{name}.spec.json"
-    spec_path.write_text(json.dumps({**spec, "out": str(result_path)}, indent=1))
-    log_path = work_dir / f"{name}.log"
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(spec_path)]
+    """Run one row's worker under torchrun (:func:`benchmarks.common.launch.launch`, glibc's mmap threshold fixed:
+    :data:`MALLOC_ENV`); return rank 0's JSON, or a failed row's record."""
     started = time.perf_counter()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**worker_env(), **MALLOC_ENV}, start_new_session=True)
-        try:
-            code = process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: the session started above
-            process.wait()
-            code = None
-    elapsed = time.perf_counter() - started
-    if result_path.exists():
-        result = json.loads(result_path.read_text())
-    else:
-        tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        reason = f"did not finish within {timeout:.0f} s" if code is None else f"torchrun exited {code}"
-        result = {"name": name, "ranks": [], "error": f"{reason}; see {log_path}", "log_tail": tail}
-    result.update(launch_s=elapsed, exit_code=code)
+    try:
+        result = launch(spec, ranks, work_dir, timeout, worker=WORKER, env=MALLOC_ENV)
+    except RunFailed as exc:
+        reason, _, tail = str(exc).partition("\n")
+        return {"name": spec["name"], "ranks": [], "error": reason, "log_tail": tail,
+                "launch_s": time.perf_counter() - started, "exit_code": None}
     errors = [rank["error"] for rank in result.get("ranks", []) if rank.get("error")]
     if errors and "error" not in result:
         result["error"] = errors[0]

@@ -97,10 +97,12 @@ def test_strategy_state_counts_each_storage_once_and_leaves_the_model_out():
     compressed.hold(vector)                                                     # 1 copy; residuals not yet made
     strategy.outer, strategy.compressed = outer, compressed
     state = state_nbytes(strategy, model, [training])
-    # 0-d norms of the outer step: 2 float32 scalars; SGD's momentum buffer and the reference: 2 copies.
-    assert state == {"cpu": 4 * numel * (1 + 2 + 1) + 2 * 4}
+    # The outer step's norms and their running squares: 2 pairs of float32 scalars; SGD's momentum buffer and the reference:
+    # 2 copies.
+    scalars = 2 * 2 * 4
+    assert state == {"cpu": 4 * numel * (1 + 2 + 1) + scalars}
     strategy.extra = torch.zeros(numel)
-    assert state_nbytes(strategy, model, [training]) == {"cpu": 4 * numel * 5 + 2 * 4}
+    assert state_nbytes(strategy, model, [training]) == {"cpu": 4 * numel * 5 + scalars}
 
 
 def test_rows_whose_arguments_do_not_exist_are_missing():

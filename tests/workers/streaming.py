@@ -11,20 +11,18 @@ final vector, the protocol state and the counters.
 """
 
 import functools
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_dist.algorithms.averaging as averaging
 from lightning_dist import PeriodicAveragingStrategy
-from lightning_dist.data.datamodules import DigitsDataModule
-from lightning_dist.models import MLPClassifier
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers
+from helpers.cases import fit_digits, run_fits  # noqa: E402
 
 
 def allocated_peak(kineto_results: Any) -> int:
@@ -56,11 +54,6 @@ class RecordingPeriodic(PeriodicAveragingStrategy):
         self.records.append({"step": step, "before": before, "after": self.model_vector.get(), "peak_bytes": peak})
 
 
-class RecordStart(Callback):
-    def on_train_start(self, trainer, pl_module):
-        self.start = trainer.strategy.model_vector.get()
-
-
 DEFAULT_BUCKET = averaging.AVERAGE_BUCKET
 
 
@@ -73,49 +66,11 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     strategy.records = []
     strategy.measure_memory = bool(case.get("memory"))
     averaging.AVERAGE_BUCKET = case.get("bucket", DEFAULT_BUCKET)
-    datamodule = DigitsDataModule(partition="class_sorted")
-    torch.manual_seed(1000 + int(os.environ["RANK"]))  # replicas must be made identical by the strategy
-    model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes)
-    start = RecordStart()
-    callbacks: list[Callback] = [start]
-    if case.get("checkpoint_dir"):
-        callbacks.append(ModelCheckpoint(dirpath=out / case["checkpoint_dir"], save_top_k=-1, every_n_epochs=1,
-                                         filename="{epoch}-{step}"))
     ckpt_path = None
     if case.get("resume"):
         (ckpt_path,) = sorted(out.parent.glob(case["resume"]))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(case.get("checkpoint_dir")),
-        callbacks=callbacks, num_sanity_val_steps=0, deterministic=True, **case["trainer"],
-    )
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-    return {
-        "start": start.start,
-        "vector": strategy.model_vector.get(),
-        "num_parameters": strategy.model_vector.num_parameters,
-        "records": strategy.records,
-        "protocol": strategy.protocol_state_dict(),
-        "metrics": strategy.protocol_metrics(),
-        "comm": strategy.comm_stats,
-        "local_steps": strategy._local_steps,
-        "resumed_from": None if ckpt_path is None else str(ckpt_path),
-    }
-
-
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(spec["out"])
-    rank = int(os.environ["RANK"])
-    for case in spec["cases"]:
-        case_out = out / case["name"]
-        case_out.mkdir(parents=True, exist_ok=True)
-        try:
-            record = {"error": None, **run_case(case, out)}
-        except Exception as exc:  # the test asserts on it
-            record = {"error": f"{type(exc).__name__}: {exc}"}
-        torch.save(record, case_out / f"rank{rank}.pt")
+    return fit_digits(strategy, case, out, ckpt_path)
 
 
 if __name__ == "__main__":
-    main()
+    run_fits(run_case)
