@@ -4,7 +4,7 @@ Cells: subject x precision x layout.
 
 - subjects: the strategies ``dynamic_avg``, ``periodic_avg``, ``streaming_diloco`` (Streaming DiLoCo, int8, an
   exchange every step), ``streaming_cpu_state`` (exchanges in flight for a step on a CUDA side stream, the outer
-  state in host memory), ``fedavg``, ``downpour_sgd``,
+  state and int8's residuals in host memory), ``fedavg``, ``downpour_sgd``,
   ``segmented_gossip`` (with periods of 1-2 steps, so that every protocol exchanges models), and the
   ``datagossip`` and ``cdgrab`` callbacks on ``strategy="ddp"``;
 - precisions: ``32-true``, ``bf16-mixed``, ``bf16-true``;

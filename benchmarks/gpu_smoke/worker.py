@@ -62,7 +62,7 @@ def make_strategy(subject: str, layout: str, world_size: int) -> Any:
         "streaming_diloco": {"period": 2, "fragments": 2, "fragment_sync_delay": 0, "fragment_update_alpha": 0.5,
                              "outer_optimizer": diloco_outer_optimizer, "compression": "int8"},
         "streaming_cpu_state": {"period": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
-                                "outer_optimizer": diloco_outer_optimizer, "state_device": "cpu"},
+                                "outer_optimizer": diloco_outer_optimizer, "state_device": "cpu", "compression": "int8"},
         "fedavg": {"period": 1, "client_fraction": 0.5},
         "downpour_sgd": {"push_every": 1},
         "segmented_gossip": {"segments": 2, "replicas": min(2, world_size - 1), "period": 1},

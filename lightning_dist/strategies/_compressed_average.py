@@ -48,6 +48,12 @@ class CompressedAverage:
         ``copy=False`` keeps ``common`` itself (a tensor nothing else changes), saving one copy of it."""
         self.common = common.detach().clone() if copy else common.detach()
 
+    def to(self, device: torch.device) -> None:
+        """Move the state (common model and residuals) to ``device``: streaming with ``state_device="cpu"`` keeps it
+        in host memory between a fragment's exchanges and brings it to the model's device for one."""
+        self.common, self.residual, self.owner_residual = (
+            None if value is None else value.to(device) for value in (self.common, self.residual, self.owner_residual))
+
     def restart(self, common: Tensor) -> None:
         """A fresh start from ``common`` (a resume at another world size): residuals at zero, chunks re-cut."""
         self.hold(common)

@@ -19,7 +19,8 @@ training thread when it collects the exchange.
 State: per fragment, DiLoCo's :class:`~lightning_dist.algorithms.outer.OuterStep` (the fragment's reference and
 the optimizer's state, on ``state_device``: ``"cpu"`` keeps them in host memory, as torchft keeps its backup)
 and the compressed exchange's state (:class:`CompressedAverage`: its common model is the fragment's last
-synchronized model, on the device, and the error-feedback residuals); one exchange in flight at a time.
+synchronized model, and the error-feedback residuals; on ``state_device`` too, brought to the model's device for
+the fragment's exchange); one exchange in flight at a time.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class StreamingSync:
             (None when ``tau = 0``).
         codec: the ``compression`` codec or None.
         outer_optimizer: DiLoCo's outer optimizer factory or None (plain averaging).
-        state_device: where the outer steps' state lives (None: the model's device).
+        state_device: where the outer steps' and the compressed exchanges' state lives between a fragment's
+            exchanges (None: the model's device).
         raise_for_ranks: the strategy's error for non-finite replicas (names the ranks).
     """
 
@@ -111,7 +113,7 @@ class StreamingSync:
         if self.codec is None:
             return None
         compressed = CompressedAverage(self.codec)
-        compressed.hold(self._part(self.vector.get_range(start, stop)), copy=False)
+        compressed.hold(self._part(self.vector.get_range(start, stop)).to(self.state_device), copy=False)
         return compressed
 
     def _num_parameters(self, start: int, stop: int) -> int:
@@ -206,7 +208,9 @@ class StreamingSync:
                                                                              synchronized, alpha))
         if self.compressed[fragment] is not None:  # the next deltas of this fragment are taken from its new model
             # Under a hierarchy the part is a view of the whole fragment: keep a copy of the part alone.
-            self.compressed[fragment].hold(self._part(synchronized), copy=self.foreground.hierarchy is not None)
+            part = self._part(synchronized)
+            self.compressed[fragment].hold(part.to(self.state_device),
+                                           copy=self.foreground.hierarchy is not None and part.device == self.state_device)
 
     # ------------------------------------------------------------ one exchange
 
@@ -219,7 +223,11 @@ class StreamingSync:
         part = self._part(snapshot)
         compressed = self.compressed[fragment]
         if compressed is not None:
-            mean_part = compressed.average(lanes.learners, part, self._part_num_parameters(fragment), "protocol")
+            compressed.to(self.device)  # from state_device for the exchange, and back (no copy when they agree)
+            try:
+                mean_part = compressed.average(lanes.learners, part, self._part_num_parameters(fragment), "protocol")
+            finally:
+                compressed.to(self.state_device)
         else:
             # ``snapshot`` is this exchange's own copy: summed in place when it is in the accumulation dtype already
             total = lanes.learners.all_reduce_sum_(part.to(accumulation_dtype(part.dtype)), "protocol")
@@ -289,9 +297,9 @@ class StreamingSync:
         for index, compressed in enumerate(self.compressed):
             assert compressed is not None
             if saved is not None:
-                compressed.load_state_dict(saved[index], self.device)
+                compressed.load_state_dict(saved[index], self.state_device)
             else:
-                compressed.restart(self._part(self.vector.get_range(*self.bounds[index])))
+                compressed.restart(self._part(self.vector.get_range(*self.bounds[index])).to(self.state_device))
 
     def close(self) -> None:
         if self.background is not None:

@@ -72,9 +72,10 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         fragment_update_alpha: the paper's ``alpha``: at a merge the replica keeps ``alpha`` of its own fragment
             and takes ``1 - alpha`` of the synchronized one, in [0, 1]. Default 0 (torchft's; the paper uses 0.5
             with ``tau >= 1``, to keep the progress made while the exchange was in flight).
-        state_device: None (default): the outer optimizer's state lives with the model. ``"cpu"``: the per-
-            fragment reference and outer-optimizer state live in host memory (two model copies off the GPU),
-            at the cost of moving one fragment each way per merge.
+        state_device: None (default): the outer optimizer's and compression's state live with the model.
+            ``"cpu"``: the per-fragment reference and outer-optimizer state (two model copies) and, with
+            ``compression``, the common model and error-feedback residuals (about 2.5) live in host memory, off the
+            GPU, at the cost of moving one fragment's state each way per merge and per exchange.
 
             With any of the four set away from its default, averaging runs fragment by fragment through
             :class:`~lightning_dist.strategies._streaming.StreamingSync` (never more than one fragment of extra
@@ -102,7 +103,7 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         client_fraction = check_client_fraction(client_fraction)
         outer_optimizer = check_outer_optimizer(outer_optimizer, client_fraction)
         plan = StreamingPlan(period, fragments, fragment_sync_delay, fragment_update_alpha)
-        state_device = check_option("state_device", state_device, ("cpu",), "where the outer optimizer's state lives")
+        state_device = check_option("state_device", state_device, ("cpu",), "where the outer optimizer's and compression's state lives")
         streams = plan.streaming or state_device is not None
         if streams and client_fraction < 1:
             raise ValueError(
