@@ -169,6 +169,17 @@ def measured_step_s(measured: dict[str, Any]) -> float:
     return statistics.median(durations)
 
 
+def measured_run_step_s(measured: dict[str, Any], name: str, node_mbit: float) -> float:
+    """The median training step of one method's runs at one bandwidth (every seed; each rank's first 5 steps left
+    out): its own compute speed there, with whatever its exchanges in flight took from the CPU."""
+    durations = [d for launch in measured["launches"] if launch["node_mbit"] == node_mbit
+                 for run in launch.get("runs", []) if run["name"] == name
+                 for rank in run["step_s_per_rank"] for d in rank[5:]]
+    if not durations:
+        raise ValueError(f"{name} has no measured run at {node_mbit:g} Mbit/s to take its step time from")
+    return statistics.median(durations)
+
+
 def measured_ceiling_mbit(measured: dict[str, Any]) -> float:
     """The node rate of periodic averaging's all-reduces at the highest bandwidth, Mbit/s of payload.
 
@@ -200,13 +211,15 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float, c
     for row in summary["rows"]:
         if args.methods and row["name"] not in args.methods:
             continue
-        max_steps = math.ceil(budget / step_s) + 1
-        predicted = simulate(config, methods[row["name"]], ranks, row["node_mbit"], ceiling_mbit, step_s,
+        cell_step_s = measured_run_step_s(measured, row["name"], row["node_mbit"]) if args.own_step else step_s
+        max_steps = math.ceil(budget / cell_step_s) + 1
+        predicted = simulate(config, methods[row["name"]], ranks, row["node_mbit"], ceiling_mbit, cell_step_s,
                              budget, max_steps, None, ranks_per_node, intra_mbit, args.threads)
         hit = next((r for r in predicted["rows"] if r["val_loss"] <= target), None)
         predicted.update(time_to_target_s=hit["time"] if hit else None, steps_to_target=hit["mean_steps"] if hit else None,
                          bytes_to_target=hit["bytes"] if hit else None)
-        cell = {"name": row["name"], "node_mbit": row["node_mbit"], "predicted": predicted,
+        cell = {"name": row["name"], "node_mbit": row["node_mbit"], "step": "own" if args.own_step else "machine",
+                "predicted": predicted,
                 "measured": {key: row[key] for key in ("time_to_target_s", "final_val_loss", "steps", "reached",
                                                        "protocol_bytes", "projected_time_to_target_s") if key in row}}
         if row.get("projected_time_to_target_s"):
@@ -218,7 +231,8 @@ def predict(args: argparse.Namespace, measured: dict[str, Any], step_s: float, c
         cell["steps_ratio"] = ratio(predicted["steps"], row["steps"])
         cell["loss_ratio"] = ratio(predicted["final_val_loss"], row["final_val_loss"])
         cells.append(cell)
-        print(f"  {row['node_mbit']:>6g} Mbit/s {row['name']:<17} predicted {fmt(predicted['time_to_target_s'])} s to target, "
+        print(f"  {row['node_mbit']:>6g} Mbit/s {row['name']:<17} step {cell_step_s:.4f} s: "
+              f"predicted {fmt(predicted['time_to_target_s'])} s to target, "
               f"{predicted['steps']:.0f} steps, loss {predicted['final_val_loss']:.3f}; measured "
               f"{fmt(row['time_to_target_s'])} s, {row['steps']:.0f} steps, loss {row['final_val_loss']:.3f} "
               f"({predicted['wall_s']:.0f} s)", flush=True)
@@ -253,8 +267,11 @@ def merged_scale(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[
 def merged_prediction(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Part 1's cells: ``kept`` with the (method, bandwidth) cells predicted again replaced in place, the others
     of ``new`` after them (``--methods`` re-predicts some methods and keeps the rest)."""
-    fresh = {(cell["name"], cell["node_mbit"]): cell for cell in new}
-    cells = [fresh.pop((cell["name"], cell["node_mbit"]), cell) for cell in kept]
+    def key(cell: dict[str, Any]) -> tuple[str, float, str]:
+        return cell["name"], cell["node_mbit"], cell.get("step", "machine")
+
+    fresh = {key(cell): cell for cell in new}
+    cells = [fresh.pop(key(cell), cell) for cell in kept]
     return cells + list(fresh.values())
 
 
@@ -267,11 +284,13 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def prediction_table(cells: list[dict[str, Any]]) -> str:
-    lines = ["| Mbit/s | method | s to target: measured | predicted | ratio | DDP projected: measured | predicted "
-             "| ratio | final loss: measured | predicted | steps: measured | predicted |", "|" + "---|" * 12]
+    lines = ["| Mbit/s | method | step s | s to target: measured | predicted | ratio | DDP projected: measured "
+             "| predicted | ratio | final loss: measured | predicted | steps: measured | predicted |", "|" + "---|" * 13]
     for cell in cells:
         m, p = cell["measured"], cell["predicted"]
-        lines.append(f"| {cell['node_mbit']:g} | {cell['name']} | {fmt(m['time_to_target_s'])} | {fmt(p['time_to_target_s'])} "
+        step = f"{p['step_s']:.3f}" + (" (own)" if cell.get("step") == "own" else "")
+        lines.append(f"| {cell['node_mbit']:g} | {cell['name']} | {step} | {fmt(m['time_to_target_s'])} "
+                     f"| {fmt(p['time_to_target_s'])} "
                      f"| {fmt(cell['time_ratio'], 2)} | {fmt(m.get('projected_time_to_target_s'))} "
                      f"| {fmt(p.get('projected_time_to_target_s'))} | {fmt(cell.get('projected_ratio'), 2)} "
                      f"| {m['final_val_loss']:.3f} | {p['final_val_loss']:.3f} | {m['steps']:.0f} | {p['steps']:.0f} |")
@@ -280,7 +299,12 @@ def prediction_table(cells: list[dict[str, Any]]) -> str:
 
 
 def agreement(cells: list[dict[str, Any]]) -> str:
-    """How many compared times lie within 20% of the measurement, and the cells where only one side reached the target."""
+    """How many compared times lie within 20% of the measurement, and the cells where only one side reached the
+    target; the cells run on their own measured step (``--own-step``) counted apart."""
+    own = [cell for cell in cells if cell.get("step") == "own"]
+    if own:
+        machine = [cell for cell in cells if cell.get("step") != "own"]
+        return f"Machine step: {agreement(machine)} Own measured step: {agreement(own)}"
     times = [c["time_ratio"] for c in cells if c["time_ratio"] is not None]
     projected = [c["projected_ratio"] for c in cells if c.get("projected_ratio") is not None]
     one_sided = [f"{c['name']} at {c['node_mbit']:g}" for c in cells
@@ -318,10 +342,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     bandwidths = sorted({cell["node_mbit"] for cell, _ in cells}, reverse=True)
     colors = dict(zip(bandwidths, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for cell, (measured, predicted, projected) in cells:
-        color = colors[cell["node_mbit"]]
-        left.scatter(measured, predicted, marker="s" if projected else "o", facecolors="none" if projected else color,
-                     edgecolors=color, label=f"{cell['node_mbit']:g} Mbit/s")
-        left.annotate(cell["name"] + (" (proj)" if projected else ""), (measured, predicted), fontsize=6)
+        color, own = colors[cell["node_mbit"]], cell.get("step") == "own"
+        left.scatter(measured, predicted, marker="s" if projected else "^" if own else "o",
+                     facecolors="none" if projected else color, edgecolors=color, label=f"{cell['node_mbit']:g} Mbit/s")
+        left.annotate(cell["name"] + (" (proj)" if projected else " (own step)" if own else ""), (measured, predicted),
+                      fontsize=6)
     if cells:
         values = [value for _, times in cells for value in times[:2]]
         low, high = min(values) * 0.8, max(values) * 1.25
@@ -334,11 +359,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.legend(unique.values(), unique.keys(), fontsize=8)
     left.set_xlabel("measured seconds to target")
     left.set_ylabel("simulated seconds to target")
-    left.set_title("prediction vs measurement, 4 ranks (band: within 20%; squares: DDP projected)", fontsize=10)
+    left.set_title("prediction vs measurement, 4 ranks (band: within 20%; squares: DDP projected; triangles: the "
+                   "run's own step)", fontsize=9)
     left.grid(True, which="both", alpha=0.3)
     runs = report.get("scale", [])
     mbit = report["config"].get("scale_mbit")
-    four = {cell["name"]: times[1] for cell, times in cells if cell["node_mbit"] == mbit}
+    four = {cell["name"]: times[1] for cell, times in cells if cell["node_mbit"] == mbit and cell.get("step") != "own"}
     for name in dict.fromkeys(run["name"] for run in runs):
         points = [(run["workers"], run["time_to_target_s"]) for run in runs if run["name"] == name and run["time_to_target_s"]]
         if name in four:
@@ -410,6 +436,10 @@ def parts_parser(description: str, measured: str, scale_methods: list[str]) -> a
     parser.add_argument("--native-kernels", action="store_true",
                         help="run the CPU's own float32 kernels instead of pin_cpu_kernels()'s: about twice as fast, "
                              "figures comparable only with runs on this kind of CPU (each run records its numerics)")
+    parser.add_argument("--own-step", action="store_true",
+                        help="part 1: each cell's step time is its own measured runs' median step at that bandwidth, "
+                             "not the one machine constant (the network and overlap model, apart from the day's "
+                             "compute speed); its cells are kept beside the others")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser
 

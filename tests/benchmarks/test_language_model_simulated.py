@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from benchmarks.common.report import chosen
-from benchmarks.language_model.simulated import check_method_names, merged_prediction, merged_scale
+from benchmarks.language_model.simulated import (check_method_names, measured_run_step_s, merged_prediction,
+                                                 merged_scale)
 
 
 def run(name, workers, seconds):
@@ -27,6 +28,21 @@ def test_a_merged_prediction_replaces_its_cell_in_place_and_appends_new_ones():
     new = [{"name": "periodic_h50", "node_mbit": 20, "p": 3}, {"name": "ddp", "node_mbit": 100, "p": 4}]
     assert [cell["p"] for cell in merged_prediction(kept, new)] == [1, 3, 4]
     assert merged_prediction(kept, []) == kept
+    # A cell run on its own measured step (--own-step) sits beside the machine-step one, and replaces its own kind.
+    own = [{"name": "periodic_h50", "node_mbit": 20, "step": "own", "p": 5}]
+    assert [cell["p"] for cell in merged_prediction(kept, own)] == [1, 2, 5]
+    again = [{"name": "periodic_h50", "node_mbit": 20, "step": "own", "p": 6}]
+    assert [cell["p"] for cell in merged_prediction(merged_prediction(kept, own), again)] == [1, 2, 6]
+
+
+def test_a_cells_own_step_is_the_median_of_its_runs_at_that_bandwidth_past_each_ranks_first_five():
+    run = {"name": "a", "step_s_per_rank": [[9, 9, 9, 9, 9, 1.0, 3.0], [9, 9, 9, 9, 9, 2.0]]}
+    measured = {"launches": [{"node_mbit": 20.0, "runs": [run, {**run, "name": "b"}]},
+                             {"node_mbit": 20.0, "runs": [{**run, "step_s_per_rank": [[9] * 5 + [4.0]]}]},
+                             {"node_mbit": 5.0, "runs": [{**run, "step_s_per_rank": [[9] * 5 + [100.0]]}]}]}
+    assert measured_run_step_s(measured, "a", 20.0) == 2.5
+    with pytest.raises(ValueError, match="c has no measured run at 20 Mbit/s"):
+        measured_run_step_s(measured, "c", 20.0)
 
 
 def test_a_method_the_measured_run_does_not_define_is_refused_by_option_before_any_run():
