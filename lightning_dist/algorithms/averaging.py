@@ -20,9 +20,9 @@ from torch import Tensor
 DISTANCE_CHUNK = 1 << 20
 """Elements per float64 temporary in :func:`squared_distance_sum` (8 MiB)."""
 
-AVERAGE_BUCKET = 2**25
-"""Entries a strategy averages (and DiLoCo steps) at a time: 128 MiB in float32 (DDP's bucket is 25 MB; fewer
-latencies on a slow link). Read when a strategy sets up, so a test may lower it."""
+AVERAGE_BUCKET = 2**24
+"""Entries a strategy averages (and DiLoCo steps) at a time: 64 MiB in float32, two in flight (DDP's bucket is
+25 MB; fewer latencies on a slow link). Read when a strategy sets up, so a test may lower it."""
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -22,7 +22,7 @@ from lightning_dist.callbacks._loader_hook import TrainLoaderHook
 from lightning_dist.callbacks._per_example import METHODS as GRADIENT_METHODS
 from lightning_dist.callbacks._per_example import GradientFunction, PerExampleLoss, make_per_example_gradients
 from lightning_dist.comm import Communicator, check_timeout, destroy_group, new_group, strategy_timeout
-from lightning_dist.comm.communicator import PendingGather
+from lightning_dist.comm.communicator import Pending
 from lightning_dist.data.cdgrab_sampler import CDGraBSampler
 
 MODES = ("coordinated", "independent")
@@ -157,7 +157,7 @@ class CDGraB(CDGraBCheckpoint, Callback):
         self._epoch_ended = False
         self._loaded_state: Optional[dict[str, Any]] = None
         # The gather of this rank's last differences, with their step, balanced at the next step.
-        self._pending: Optional[tuple[PendingGather, int]] = None
+        self._pending: Optional[tuple[Pending, int]] = None
 
     @property
     def coordinated(self) -> bool:

@@ -17,7 +17,7 @@ device in the caller's dtype. NCCL groups move device tensors directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -63,22 +63,23 @@ class CollectiveError(RuntimeError):
     """
 
 
-class PendingGather:
-    """A gather in flight: :meth:`wait` returns every rank's tensor stacked in rank order (None off the destination),
-    on ``device`` (the caller's, when the gather went through host memory)."""
+class Pending:
+    """A collective in flight (``async_op``): :meth:`wait` waits for it, a backend failure raised as
+    :class:`CollectiveError` naming it, and returns what ``finish`` makes of it (the result on the caller's device:
+    a gather's stack, None off its destination, or an all-reduced tensor)."""
 
-    def __init__(self, work: dist.Work, gathered: Tensor | None, device: torch.device,
-                 failing_as: Communicator, purpose: str) -> None:
+    def __init__(self, work: dist.Work, finish: Callable[[], Tensor | None], failing_as: Communicator,
+                 operation: str, purpose: str) -> None:
         self._work = work
-        self._gathered = gathered
-        self._device = device
+        self._finish = finish
         self._failing_as = failing_as
+        self._operation = operation
         self._purpose = purpose
 
     def wait(self) -> Tensor | None:
-        with self._failing_as.named("gather", self._purpose):
+        with self._failing_as.named(self._operation, self._purpose):
             self._work.wait()
-        return self._gathered.to(self._device) if self._gathered is not None else None
+        return self._finish()
 
 
 class Communicator:
@@ -191,7 +192,7 @@ class Communicator:
         self._record(purpose, (self.world_size - 1) * _nbytes(tensor), self.world_size - 1)
         return torch.stack(gathered).to(tensor.device)
 
-    def start_gather(self, tensor: Tensor, dst: int, purpose: str) -> PendingGather:
+    def start_gather(self, tensor: Tensor, dst: int, purpose: str) -> Pending:
         """Start gathering every rank's ``tensor`` on ``dst`` without waiting; ``.wait()`` on the result gives the stack.
 
         The collective runs in the backend's own threads (Gloo) or stream (NCCL) while the caller
@@ -205,7 +206,7 @@ class Communicator:
             work = dist.gather(wire, outputs, dst=self.global_rank(dst), group=self.group, async_op=True)
         if self.rank != dst:
             self._record(purpose, _nbytes(tensor), 1)
-        return PendingGather(work, gathered, tensor.device, self, purpose)
+        return Pending(work, lambda: None if gathered is None else gathered.to(tensor.device), self, "gather", purpose)
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
         """Sum ``tensor`` over all ranks in place."""
@@ -213,6 +214,24 @@ class Communicator:
             self._all_reduce_sum_(tensor)
         self.record_all_reduce(tensor, purpose)
         return tensor
+
+    def start_all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Pending:
+        """Start summing ``tensor`` over all ranks in place without waiting; ``.wait()`` on the result returns it.
+
+        The all-reduce runs in the backend's threads (Gloo) or stream (NCCL) while the caller goes on (copying the
+        next bucket in, say); ``tensor`` must not be touched until then. Counted as :meth:`all_reduce_sum_`.
+        """
+        wire = self._to_wire(tensor)
+        with self.named("all-reduce", purpose):
+            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.record_all_reduce(tensor, purpose)
+
+        def finish() -> Tensor:
+            if wire is not tensor:
+                tensor.copy_(wire)
+            return tensor
+
+        return Pending(work, finish, self, "all-reduce", purpose)
 
     def _all_reduce_sum_(self, tensor: Tensor) -> None:
         wire = self._to_wire(tensor)

@@ -3,7 +3,7 @@
 Blocking periodic averaging used to flatten the model (a copy), sum it in the accumulation dtype (a second) and
 divide (a third) before writing the mean back: three model-sized temporaries, 1.2 GB for a 100M-parameter float32
 model. Here each bucket of :data:`~lightning_dist.algorithms.averaging.AVERAGE_BUCKET` elements is copied,
-all-reduced, divided in place, optionally moved by DiLoCo's outer step
+all-reduced (the next bucket's copy overlapping it), divided in place, optionally moved by DiLoCo's outer step
 (:meth:`~lightning_dist.algorithms.outer.OuterStep.step_range`) and written back; a model under one bucket is
 averaged by one all-reduce of the same bytes, so the arithmetic and the bytes counted are those of the whole-vector
 average, bit for bit.
@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_dist.algorithms import averaging
 from lightning_dist.algorithms.averaging import accumulation_dtype, all_finite
 from lightning_dist.comm import Communicator
+from lightning_dist.comm.communicator import Pending
 from lightning_dist.model_vector import ModelVector
 
 Combine = Callable[[int, Tensor], Tensor]
@@ -31,22 +32,39 @@ def average_in_place(vector: ModelVector, comm: Communicator, purpose: str,
     """Set ``vector``'s model to the mean over ``comm``'s ranks (or ``combine`` of it), a bucket at a time.
 
     The sum runs in the accumulation dtype; each bucket's mean is rounded to the model's dtype as it is written
-    back. A bucket whose sum is non-finite (the same sum, so the same decision, on every rank) calls
-    ``raise_if_non_finite`` on this rank's bucket, a collective that names the ranks; the replicas are then left
-    averaged up to that bucket, and the run stops. ``bucket`` defaults to ``AVERAGE_BUCKET`` (an outer step's
-    ranges must be its buckets: :attr:`OuterStep.bucket <lightning_dist.algorithms.outer.OuterStep.bucket>`).
+    back. Pipelined in two buffers, as DDP overlaps its buckets: bucket ``k + 1`` is copied in while bucket ``k``'s
+    all-reduce runs, and written back while bucket ``k + 2``'s runs. A bucket whose sum is non-finite (the same sum,
+    so the same decision, on every rank) calls ``raise_if_non_finite`` on this rank's bucket, a collective that
+    names the ranks, once the all-reduce in flight has finished; the replicas are then left averaged up to that
+    bucket, and the run stops. ``bucket`` defaults to ``AVERAGE_BUCKET`` (an outer step's ranges must be its
+    buckets: :attr:`OuterStep.bucket <lightning_dist.algorithms.outer.OuterStep.bucket>`).
     """
     bucket = averaging.AVERAGE_BUCKET if bucket is None else bucket
-    # One buffer for every bucket: a bucket's memory is not handed back to the allocator while the backend still
-    # holds the finished all-reduce of the one before (Gloo releases it from its own thread), so each new bucket
-    # would come on top of it.
-    buffer = torch.empty(min(bucket, vector.numel), dtype=accumulation_dtype(vector.dtype),
-                         device=vector.parameters[0].device)
-    for start in range(0, vector.numel, bucket):
-        stop = min(start + bucket, vector.numel)
-        total = vector.get_range(start, stop, out=buffer[:stop - start])
-        comm.all_reduce_sum_(total, purpose)
-        if not all_finite(total):
-            raise_if_non_finite(vector.get_range(start, stop))
-        mean = total.div_(comm.world_size)
-        vector.set_range(start, mean if combine is None else combine(start, mean))
+    # Two buffers for every bucket: a bucket's memory is not handed back to the allocator while the backend still
+    # holds the finished all-reduce of the one before (Gloo releases it from its own thread), so a new one per
+    # bucket would come on top of it.
+    size = min(bucket, vector.numel)
+    buffers = [torch.empty(size, dtype=accumulation_dtype(vector.dtype), device=vector.parameters[0].device)
+               for _ in range(min(2, -(-vector.numel // size)))]
+    in_flight: tuple[int, Pending] | None = None
+    for index, start in enumerate([*range(0, vector.numel, bucket), None]):
+        pending = None
+        if start is not None:
+            stop = min(start + bucket, vector.numel)
+            total = vector.get_range(start, stop, out=buffers[index % len(buffers)][:stop - start])
+            pending = comm.start_all_reduce_sum_(total, purpose)
+        if in_flight is not None:
+            _finish(vector, comm, *in_flight, raise_if_non_finite, combine, pending)
+        in_flight = None if start is None else (start, pending)
+
+
+def _finish(vector: ModelVector, comm: Communicator, start: int, pending: Pending,
+            raise_if_non_finite: Callable[[Tensor], None], combine: Combine | None, next_pending: Pending | None) -> None:
+    """Write back the bucket at ``start`` once its sum has arrived (or stop the run, naming the ranks)."""
+    total = pending.wait()
+    if not all_finite(total):
+        if next_pending is not None:
+            next_pending.wait()  # no collective may start on the group while another is in flight
+        raise_if_non_finite(vector.get_range(start, start + total.numel()))
+    mean = total.div_(comm.world_size)
+    vector.set_range(start, mean if combine is None else combine(start, mean))

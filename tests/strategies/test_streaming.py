@@ -181,7 +181,8 @@ def test_resume_on_another_number_of_ranks_merges_the_exchange_in_flight_once(ru
 
 
 def test_a_non_finite_replica_or_a_missing_rank_stops_every_rank_by_name_during_an_exchange_in_flight(tmp_path):
-    """Rank 1 turns non-finite after step 6: the exchange started after step 7 refuses it on every rank, naming it.
+    """Rank 1 turns non-finite after step 6: the exchange started after step 7 refuses it on every rank, naming it;
+    so does blocking averaging after step 8, in buckets.
     Rank 1 asleep for 12 s before its 4th step, while the exchange started after step 3 (and then 5) is in flight:
     rank 0 raises, within the 2 s timeout, an error naming the exchange instead of hanging."""
     stream = {"period": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
@@ -189,12 +190,18 @@ def test_a_non_finite_replica_or_a_missing_rank_stops_every_rank_by_name_during_
     # of the launch's first fit (and the late rank of the stall would miss the next fit's first collective).
     nan = {"name": "nan", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": stream},
            "nan": {"rank": 1, "step": 6}}
+    # Blocking averaging in buckets of 100 (the first holds the NaN): it stops while the second bucket's all-reduce
+    # is in flight, which must finish before the ranks are named on the same group.
+    nan_bucketed = {"name": "nan_bucketed", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4}},
+                    "nan": {"rank": 1, "step": 6}, "bucket": 100}
     stall = {"name": "stall", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": stream, "timeout_seconds": 2},
              "stall": {"rank": 1, "step": 3, "seconds": 12}}
-    for run in (nan, stall):
-        run_ranks(2, "fit", {"trainer": {"max_epochs": 1}, "runs": [run]}, tmp_path)
-    for result in load_results(tmp_path / "nan", 2):
-        assert result["error"] is not None and "NonFiniteModelError" in result["error"] and "rank(s) [1]" in result["error"]
+    for runs in ([nan, nan_bucketed], [stall]):
+        run_ranks(2, "fit", {"trainer": {"max_epochs": 1}, "runs": runs}, tmp_path)
+    for name, step in (("nan", 7), ("nan_bucketed", 8)):
+        for result in load_results(tmp_path / name, 2):
+            assert result["error"] is not None and "NonFiniteModelError" in result["error"], result["error"]
+            assert f"rank(s) [1] hold non-finite parameters after local step {step}" in result["error"], result["error"]
     waiting, late = load_results(tmp_path / "stall", 2)
     assert waiting["error"].startswith("CollectiveError: lightning_dist: the "), waiting
     assert "for 'protocol'" in waiting["error"] and "timeout (0:00:02" in waiting["error"]
@@ -220,8 +227,9 @@ def test_bad_streaming_arguments_are_refused_by_name(kwargs, message):
 
 def test_a_synchronization_allocates_one_bucket_or_one_fragment(runs):
     """Measured with the allocator (the profiler's memory events, in the training thread): blocking averaging's
-    peak is one bucket (1000 float64 elements) and it gives the unbucketed average to rounding, blocking DiLoCo's
-    three buckets (after the first outer step, which makes the momentum); a streaming
+    peak is two buckets (1000 float64 elements each: one all-reduced while the next is copied in) and it gives the
+    unbucketed average to rounding, blocking DiLoCo's four (after the first outer step, which makes the momentum); a
+    streaming
     exchange's peak is one fragment (its copy, summed in place); streaming DiLoCo's merge, with the outer step and
     the mix, stays within five fragments (the outer step's start copy, pseudo-gradient, update and result, and the
     mix) and six at a fragment's first merge (its momentum buffer is created then and kept)."""
@@ -229,9 +237,10 @@ def test_a_synchronization_allocates_one_bucket_or_one_fragment(runs):
     flag = 64  # the finiteness flags and their all-gather: a few bytes each, in allocations of at least 8
     for a, b in zip(blocking, bucketed):
         torch.testing.assert_close(b["vector"], a["vector"], rtol=0, atol=1e-12)
-        assert max(record["peak_bytes"] for record in b["records"]) <= 1000 * 8 + flag
-    # Blocking DiLoCo a bucket at a time (OuterStep.step_range): the bucket, the start it is stepped from and the
-    # Nesterov update's temporary, after the first outer step, which also makes the kept momentum (one model).
+        assert max(record["peak_bytes"] for record in b["records"]) <= 2 * 1000 * 8 + flag  # two buckets in flight
+    # Blocking DiLoCo a bucket at a time (OuterStep.step_range): the two buckets in flight, the start a bucket is
+    # stepped from and the Nesterov update's temporary, after the first outer step, which also makes the kept
+    # momentum (one model).
     diloco, diloco_bucketed = _ok(runs["blocking_diloco"]), _ok(runs["memory_blocking_diloco"])
     numel = blocking[0]["vector"].numel()
     for a, b in zip(diloco, diloco_bucketed):
@@ -239,7 +248,7 @@ def test_a_synchronization_allocates_one_bucket_or_one_fragment(runs):
         assert a["metrics"]["outer/steps"] == b["metrics"]["outer/steps"] == 5
         peaks = [record["peak_bytes"] for record in b["records"] if record["step"] % PERIOD == 0]
         assert len(peaks) == 5 and peaks[0] >= numel * 4, peaks
-        assert max(peaks[1:]) <= 3 * 1000 * 4 + flag, peaks
+        assert max(peaks[1:]) <= 4 * 1000 * 4 + flag, peaks
     fragment = -(-numel // FRAGMENTS) * 4  # float32
     for result in _ok(runs["memory_stream"]):
         peaks = [record["peak_bytes"] for record in result["records"] if record["step"] % (PERIOD // FRAGMENTS) == 0]

@@ -15,12 +15,16 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_dist
+import lightning_dist.algorithms.averaging as averaging
 from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.models import MLPClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers.user_models
 from helpers.user_models import DigitsCNN, DigitsImages, in_other_units  # noqa: E402
+
+
+DEFAULT_BUCKET = averaging.AVERAGE_BUCKET
 
 
 class InjectNaN(Callback):
@@ -109,6 +113,7 @@ def fit(spec: dict) -> None:
         if "timeout_seconds" in strategy_spec:
             kwargs["timeout"] = __import__("datetime").timedelta(seconds=strategy_spec["timeout_seconds"])
         strategy = getattr(lightning_dist, strategy_spec["class"])(**kwargs)
+    averaging.AVERAGE_BUCKET = spec.get("bucket", DEFAULT_BUCKET)  # buckets of a blocking average and outer step
     torch.manual_seed(1000 + int(__import__("os").environ.get("RANK", "0")))  # replicas must be made identical by the strategy
     if spec.get("user_model"):  # a module that is not the package's: BatchNorm, Dropout, Adam, StepLR
         datamodule, model = DigitsImages(), DigitsCNN()
