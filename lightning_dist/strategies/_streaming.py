@@ -83,12 +83,13 @@ class StreamingSync:
         outer_optimizer: DiLoCo's outer optimizer factory or None (plain averaging).
         state_device: where the outer steps' and the compressed exchanges' state lives between a fragment's
             exchanges (None: the model's device).
-        raise_for_ranks: the strategy's error for non-finite replicas (names the ranks).
+        raise_for_ranks: the strategy's error for non-finite replicas (names the ranks and the step their copies
+            were taken after).
     """
 
     def __init__(self, plan: StreamingPlan, vector: ModelVector, foreground: Lanes, background: Lanes | None,
                  codec: str | None, outer_optimizer: OuterOptimizerFactory | None, state_device: torch.device | None,
-                 raise_for_ranks: Callable[[list[int]], None]) -> None:
+                 raise_for_ranks: Callable[[list[int], int], None]) -> None:
         self.plan = plan
         self.vector = vector
         self.foreground = foreground
@@ -158,7 +159,7 @@ class StreamingSync:
         snapshot = self.vector.get_range(start, stop)
         job = self.in_flight = _InFlight(fragment, step)
         if self.background is None:
-            job.mean = self.exchange(fragment, snapshot, self.foreground)
+            job.mean = self.exchange(fragment, step, snapshot, self.foreground)
             return
         lanes = self.background
         if self.stream is not None:
@@ -167,10 +168,10 @@ class StreamingSync:
         def run() -> None:
             try:
                 if self.stream is None:
-                    job.mean = self.exchange(fragment, snapshot, lanes)
+                    job.mean = self.exchange(fragment, step, snapshot, lanes)
                 else:
                     with torch.cuda.stream(self.stream):
-                        job.mean = self.exchange(fragment, snapshot, lanes)
+                        job.mean = self.exchange(fragment, step, snapshot, lanes)
                     self.stream.synchronize()
             except BaseException as error:  # re-raised in the training thread when it collects the exchange
                 job.error = error
@@ -214,12 +215,13 @@ class StreamingSync:
 
     # ------------------------------------------------------------ one exchange
 
-    def exchange(self, fragment: int, snapshot: Tensor, lanes: Lanes) -> Tensor:
+    def exchange(self, fragment: int, step: int, snapshot: Tensor, lanes: Lanes) -> Tensor:
         """The mean of every learner's ``snapshot`` of ``fragment``, the same on every rank (all collectives on
         ``lanes``); refuses non-finite replicas by rank before anything is averaged."""
         flag = torch.tensor([all_finite(snapshot)], dtype=torch.uint8, device=snapshot.device)
         flags = lanes.world.all_gather(flag, "protocol").view(-1).tolist()
-        self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite])
+        # The step the copies were taken after: training has moved on by the time a background exchange checks them.
+        self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite], step)
         part = self._part(snapshot)
         compressed = self.compressed[fragment]
         if compressed is not None:

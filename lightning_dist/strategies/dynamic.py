@@ -283,10 +283,15 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         threshold = self._threshold
         assert threshold is not None
         learners = self.learners
-        balancing = SubsetAverage(learners, self.learner_part(self.model_vector.get()), "protocol")
         reference = self.learner_part(self.reference)
+        # Made at the first round: a set that is every learner from the start (every one violated, or the counter
+        # says so) goes straight to the full synchronization, without this copy of the model.
+        balancing: SubsetAverage | None = None
 
         def mean_within_threshold(balancing_set: list[int], newly_added: list[int]) -> bool:
+            nonlocal balancing
+            if balancing is None:
+                balancing = SubsetAverage(learners, self.learner_part(self.model_vector.get()), "protocol")
             balancing.reduce(balancing_set, newly_added)
             if len(balancing_set) == 1:
                 return False  # the mean of one violator is its own model, which the check found violating
@@ -298,6 +303,7 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         if len(balancing_set) == learners.world_size:
             self._full_sync()
             return
+        assert balancing is not None, "a partial balancing set comes from at least one round"
         mean = balancing.gather()
         if mean is not None:  # a member: under a hierarchy every rank of the node is
             self.model_vector.set(self.learner_whole(mean, "protocol"))

@@ -332,11 +332,12 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         :meth:`set_common_model`, with a few buckets of extra memory, never a model's
         (:func:`~lightning_dist.strategies._bucketed_average.average_in_place`)."""
         assert self._hierarchy is None and self._compressed is None, "average_in_place: flat, uncompressed only"
-        if outer is None:
-            bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite)
-        else:
-            bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite, outer.step_range,
-                             outer.bucket)
+        def step(start: int, mean: Tensor) -> Tensor:  # on the outer state's device (the host with state_device)
+            assert outer is not None
+            return outer.step_range(start, mean.to(outer.reference.device))
+
+        bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite,
+                         None if outer is None else step, None if outer is None else outer.bucket)
         self._replicas_in_sync = True
 
     @staticmethod
@@ -350,10 +351,12 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         flags = self.comm.all_gather(flag, purpose="protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite])
 
-    def raise_for_ranks(self, bad_ranks: Sequence[int]) -> None:
+    def raise_for_ranks(self, bad_ranks: Sequence[int], step: int | None = None) -> None:
+        """Raise naming ``bad_ranks`` (if any), non-finite after local ``step`` (default: the latest)."""
         if bad_ranks:
             raise NonFiniteModelError(
-                f"rank(s) {list(bad_ranks)} hold non-finite parameters after local step {self._local_steps}; "
+                f"rank(s) {list(bad_ranks)} hold non-finite parameters after local step "
+                f"{self._local_steps if step is None else step}; "
                 "refusing to average them into the other replicas"
             )
 

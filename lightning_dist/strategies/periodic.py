@@ -73,15 +73,18 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             and takes ``1 - alpha`` of the synchronized one, in [0, 1]. Default 0 (torchft's; the paper uses 0.5
             with ``tau >= 1``, to keep the progress made while the exchange was in flight).
         state_device: None (default): the outer optimizer's and compression's state live with the model.
-            ``"cpu"``: the per-fragment reference and outer-optimizer state (two model copies) and, with
-            ``compression``, the common model and error-feedback residuals (about 2.5) live in host memory, off the
-            GPU, at the cost of moving one fragment's state each way per merge and per exchange.
+            ``"cpu"``: DiLoCo's reference and outer-optimizer state (two model copies) and, with ``compression``,
+            the common model and error-feedback residuals (about 2.5) live in host memory, off the GPU, at the cost
+            of moving each bucket's mean (blocking) or fragment's state (streaming) to the host and back per
+            synchronization.
 
-            With any of the four set away from its default, averaging runs fragment by fragment through
+            With ``fragments``, ``fragment_sync_delay`` or ``fragment_update_alpha`` away from its default (or
+            ``state_device`` with ``compression``), averaging runs fragment by fragment through
             :class:`~lightning_dist.strategies._streaming.StreamingSync` (never more than one fragment of extra
             memory for an exchange); with ``P = 1``, ``tau = 0`` and ``alpha = 0`` it equals the blocking average
-            (and DiLoCo's outer step) bit for bit. Needs ``client_fraction=1`` (a FedAvg round's participants are
-            drawn per round, not per fragment).
+            (and DiLoCo's outer step) bit for bit. Blocking, flat and uncompressed, it averages (and steps DiLoCo)
+            a bucket at a time. Needs ``client_fraction=1`` (a FedAvg round's participants are drawn per round, not
+            per fragment).
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
     """
 
@@ -104,7 +107,9 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         outer_optimizer = check_outer_optimizer(outer_optimizer, client_fraction)
         plan = StreamingPlan(period, fragments, fragment_sync_delay, fragment_update_alpha)
         state_device = check_option("state_device", state_device, ("cpu",), "where the outer optimizer's and compression's state lives")
-        streams = plan.streaming or state_device is not None
+        # The fragment engine: for streaming, and for compression's state off the device (its per-fragment
+        # exchanges move one fragment's state at a time); DiLoCo's state alone goes to the host bucket by bucket.
+        streams = plan.streaming or (state_device is not None and kwargs.get("compression") is not None)
         if streams and client_fraction < 1:
             raise ValueError(
                 f"fragments, fragment_sync_delay, fragment_update_alpha and state_device need client_fraction=1 (got "
@@ -146,7 +151,9 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
 
     def on_replicas_initialized(self, vector: Tensor) -> None:
         if not self.streams:
-            self._outer = build_outer_step(self.outer_optimizer, self.model_vector.parameters_of(vector))
+            start = self.model_vector.parameters_of(vector)
+            self._outer = build_outer_step(self.outer_optimizer, start if self.state_device is None
+                                           else start.to(self.state_device))
             return
         self._streaming = StreamingSync(
             self.plan, self.model_vector, Lanes(self.comm, self._hierarchy), self._background, self.compression,
@@ -168,7 +175,8 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             self.average_in_place("protocol", self._outer)  # a bucket at a time, never a copy of the model
         elif len(participants) == learners:
             mean = self.synchronize_all("protocol")
-            self.set_common_model(mean if self._outer is None else self._outer.step(mean))
+            self.set_common_model(mean if self._outer is None else self._outer.step(
+                mean.to(self._outer.reference.device)).to(mean.device))
         else:
             local = self.model_vector.get()
             self.raise_if_non_finite(local)

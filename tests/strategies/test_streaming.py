@@ -25,9 +25,11 @@ CASES = [
      "resume": "three/ckpt/epoch=0-*.ckpt"},
     {"name": "stream_int8", "kwargs": {**STREAM, "compression": "int8"}, "trainer": EXACT},
     {"name": "blocking_avg", "kwargs": {"period": PERIOD}, "trainer": EXACT},
-    {"name": "engine_avg", "kwargs": {"period": PERIOD, "state_device": "cpu"}, "trainer": EXACT},
+    {"name": "engine_avg", "kwargs": {"period": PERIOD}, "engine": True, "trainer": EXACT},
     {"name": "blocking_diloco", "kwargs": {"period": PERIOD}, "outer": True, "trainer": TRAINER},
-    {"name": "engine_diloco", "kwargs": {"period": PERIOD, "state_device": "cpu"}, "outer": True, "trainer": TRAINER},
+    {"name": "engine_diloco", "kwargs": {"period": PERIOD}, "engine": True, "outer": True, "trainer": TRAINER},
+    {"name": "blocking_diloco_cpu", "kwargs": {"period": PERIOD, "state_device": "cpu"}, "outer": True,
+     "trainer": TRAINER},
     {"name": "engine_diloco_int8", "kwargs": {"period": PERIOD, "state_device": "cpu", "compression": "int8"},
      "outer": True, "trainer": TRAINER},
     {"name": "blocking_diloco_int8", "kwargs": {"period": PERIOD, "compression": "int8"}, "outer": True,
@@ -134,8 +136,10 @@ def test_streaming_sends_the_blocking_bytes_plus_one_finiteness_flag_per_exchang
 
 @pytest.mark.parametrize("name", ["avg", "diloco", "diloco_int8"])
 def test_one_fragment_without_delay_is_blocking_synchronization_bit_for_bit(runs, name):
-    """P = 1, tau = 0, alpha = 0 through the fragment engine (state_device="cpu": outer state in host memory)
-    gives what the blocking path gives, at every step, on every rank."""
+    """P = 1, tau = 0, alpha = 0 through the fragment engine (forced for plain averaging and DiLoCo; chosen by
+    state_device="cpu" with int8, whose state then lives in host memory) gives what the blocking path gives, at
+    every step, on every rank; so does blocking DiLoCo with state_device="cpu" (its outer state on the host, the
+    buckets' means moved to it)."""
     engine, blocking = _ok(runs[f"engine_{name}"]), _ok(runs[f"blocking_{name}"])
     for a, b in zip(engine, blocking):
         assert len(a["records"]) == len(b["records"]) == 30
@@ -143,6 +147,11 @@ def test_one_fragment_without_delay_is_blocking_synchronization_bit_for_bit(runs
             assert torch.equal(x["after"], y["after"]), x["step"]
         assert torch.equal(a["vector"], b["vector"])
     assert engine[0]["comm"].syncs == blocking[0]["comm"].syncs == 5
+    assert ("streaming" in engine[0]["protocol"]) and ("streaming" not in blocking[0]["protocol"])
+    if name == "diloco":
+        for a, b in zip(_ok(runs["blocking_diloco_cpu"]), blocking):
+            assert "streaming" not in a["protocol"] and torch.equal(a["vector"], b["vector"])
+            assert all(torch.equal(x["after"], y["after"]) for x, y in zip(a["records"], b["records"]))
 
 
 def test_resume_with_an_exchange_in_flight_is_bit_for_bit(runs):

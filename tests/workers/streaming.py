@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node=N streaming.py spec.json (see tests/helpers/launch.py). Spec keys: ``cases``,
 run in order as separate ``Trainer.fit`` calls in the same processes, each ``{"name", "kwargs", "trainer",
-"outer"?, "checkpoint_dir"?, "resume"?, "memory"?, "bucket"?}`` (``kwargs`` of ``PeriodicAveragingStrategy``;
+"outer"?, "engine"?, "checkpoint_dir"?, "resume"?, "memory"?, "bucket"?}`` (``kwargs`` of ``PeriodicAveragingStrategy``;
 ``outer``: DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9; ``resume``: a glob, relative to ``out``, of a checkpoint an
 earlier case or launch wrote; ``memory``: record the allocator's peak of bytes allocated by the protocol after every
 step; ``bucket``: ``AVERAGE_BUCKET`` for the case (averaging's and DiLoCo's outer step's)); ``out``. Each case writes ``<out>/<name>/rank<r>.pt``:
@@ -63,6 +63,8 @@ def run_case(case: dict[str, Any], out: Path) -> dict[str, Any]:
     if case.get("outer"):
         kwargs["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     strategy = RecordingPeriodic(**kwargs)
+    if case.get("engine"):  # the fragment engine for a plan that does not need it, to compare it with the blocking path
+        strategy.streams = True
     strategy.records = []
     strategy.measure_memory = bool(case.get("memory"))
     averaging.AVERAGE_BUCKET = case.get("bucket", DEFAULT_BUCKET)
