@@ -3,7 +3,8 @@
 A discrete-event engine (simpy) owns virtual time; every worker trains a real copy of the
 LightningModule and its measured (or modelled) compute time advances its virtual clock; messages
 cross a modelled network (latency, serialized send and receive ports, per-node and per-link
-bandwidth caps) and collectives take Gloo's ring time (``collectives.py``). Protocols call the same
+bandwidth caps) and collectives take Gloo's ring time or, with ``collectives="nccl"``, NCCL's ring or tree
+(``collectives.py``, ``nccl.py``). Protocols call the same
 ``lightning_dist.algorithms`` code as the strategies; ``topology="strategy"`` makes them move what
 the strategy moves, and the ``ddp`` protocol is Lightning's DDP (a gradient all-reduce every step).
 

@@ -20,6 +20,12 @@ ranks), ``intra_node`` (a mapping like ``network``: the link between two ranks o
     ranks_per_node: 8
     intra_node: {latency: 0.00001, node_mbit: 100000}
     hierarchy: node
+
+The collectives' cost model (:mod:`lightning_dist.sim.collectives`) is ``collectives``: ``gloo_ring`` (the
+default: Gloo's ring, what the strategies run on CPU) or ``nccl`` (NCCL's ring or tree, whichever its tuner
+predicts faster, as a GPU cluster runs DDP; :mod:`lightning_dist.sim.nccl`)::
+
+    collectives: nccl
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import SpeedModel
+from lightning_dist.sim.nccl import check_collectives
 from lightning_dist.sim.network_model import NetworkModel
 from lightning_dist.sim.protocols import make_protocol
 from lightning_dist.sim.report import write_report
@@ -66,6 +73,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--ranks_per_node", type=int, default=1, help="ranks per machine; workers is a multiple")
     parser.add_argument("--hierarchy", type=Optional[str], default=None,
                         help="None (every rank a learner) or node (one learner per machine, DDP inside it)")
+    parser.add_argument("--collectives", type=str, default="gloo_ring",
+                        help="the collectives' cost model: gloo_ring (Gloo's ring, as on CPU) or nccl (NCCL's ring or "
+                        "tree, whichever is faster, as on a GPU cluster)")
     parser.add_class_arguments(NetworkModel, "network")
     parser.add_class_arguments(NetworkModel, "intra_node")
     parser.add_class_arguments(SpeedModel, "speed")
@@ -99,6 +109,7 @@ def main(args: Optional[list[str]] = None) -> dict[str, Any]:
             "protocol needs a name: one of parameter_server, periodic, fedavg, dynamic_avg, segmented_gossip"
         )
     protocol = make_protocol(protocol_arguments.pop("name"), **protocol_arguments)
+    check_collectives(config.collectives)
     churn = None if config.churn is None else make_churn(config.churn)
     L.seed_everything(config.seed, verbose=False)
     objects = parser.instantiate_classes(config)
@@ -118,6 +129,7 @@ def main(args: Optional[list[str]] = None) -> dict[str, Any]:
         ranks_per_node=config.ranks_per_node,
         intra_node=objects.intra_node,
         hierarchy=config.hierarchy,
+        collectives=config.collectives,
     )
     result = simulation.run()
     paths = write_report(result, config.out)

@@ -1,4 +1,12 @@
-"""Collectives among worker nodes, as the strategies run them on a Gloo group: ring all-reduce and all-gather.
+"""Collectives among worker nodes: all-reduce and all-gather, timed as Gloo's ring (the default) or NCCL's ring or tree.
+
+Which cost model times them is ``Simulation(collectives=...)``: ``"gloo_ring"`` (the default, what the strategies
+run on a Gloo group, as the measured CPU runs do; below) or ``"nccl"`` (what a GPU cluster's DDP runs: NCCL's ring,
+ordered machine by machine, or its double binary tree, whichever NCCL's tuner predicts faster for the message size
+and the members; :mod:`lightning_dist.sim.nccl`). Both time every collective of the protocols and of DDP alike;
+a protocol's point-to-point messages keep the network model's own timing (:mod:`lightning_dist.sim.network`).
+Either way the result comes once the last member has joined and the collective's duration has passed, and the
+bytes are counted as below.
 
 What Gloo does (torch 2.13's ``ProcessGroupGloo`` on CPU tensors calls ``gloo::allreduce`` and
 ``gloo::allgather`` with their default algorithms, ``gloo/allreduce.cc`` and ``gloo/allgather.cc``):
@@ -12,9 +20,10 @@ What Gloo does (torch 2.13's ``ProcessGroupGloo`` on CPU tensors calls ``gloo::a
 - **all-gather** is the ring too: ``N - 1`` steps, each forwarding one member's tensor, so every
   member sends and receives ``(N - 1) * b`` bytes.
 
-Timing. The simulator does not move the chunks as messages (a 256-member ring is 130,560 messages
-per all-reduce); once the last member has joined, every member waits for the ring's duration
-under the :class:`~lightning_dist.sim.network_model.NetworkModel` and then receives the result:
+Timing under ``"gloo_ring"``. The simulator does not move the chunks as messages (a 256-member ring
+is 130,560 messages per all-reduce); once the last member has joined, every member waits for the
+ring's duration under the :class:`~lightning_dist.sim.network_model.NetworkModel` and then receives
+the result:
 
 - all-reduce: ``2 (N - 1) * (M / N / rate + latency)``; all-gather: ``(N - 1) * (b / rate + latency)``,
   with ``rate`` the rate of one transfer (``min(node, link)``). In every step a member sends one
@@ -40,8 +49,10 @@ Machines of several ranks (:mod:`lightning_dist.sim.machines`): a ring step last
 port (:meth:`Machines.ring_step <lightning_dist.sim.machines.Machines.ring_step>`: a machine's interface
 carries one chunk per ring edge leaving it, the edges inside machines go at the intra rate), and the ring's
 bytes count as ``inter_node`` in the share of its edges that cross between machines, the rest as
-``intra_node``. With one learner per machine the result reaches the members once each machine has
-all-gathered it (``M`` of an all-reduce, the ``N b`` of an all-gather), counted ``intra_node``.
+``intra_node`` (under ``"nccl"`` the edges of its ring ordered machine by machine, also when the tree ran: the
+Communicator counts the ring's volume whatever algorithm the backend picks). With one learner per machine the
+result reaches the members once each machine has all-gathered it (``M`` of an all-reduce, the ``N b`` of an
+all-gather), counted ``intra_node``.
 """
 
 from __future__ import annotations
@@ -133,22 +144,22 @@ class Collectives:
         count = len(pending.members)
         result = pending.combine([pending.payloads[member] for member in pending.members])
         if pending.kind == "all_reduce":
-            steps, chunk, arrived = 2 * (count - 1), pending.nbytes / count, pending.nbytes
+            arrived = pending.nbytes
             total = 2 * (count - 1) * pending.nbytes
             shares = [total // count] * count
             shares[0] += total % count
             messages = 2 * (count - 1)
         else:
-            steps, chunk, arrived = count - 1, pending.nbytes, count * pending.nbytes
+            arrived = count * pending.nbytes
             total = count * (count - 1) * pending.nbytes
             shares = [(count - 1) * pending.nbytes] * count
             messages = count - 1
-        step_seconds, crossing = self.machines.ring_step(pending.members, chunk) if count > 1 else (0.0, 0)
+        ring_seconds, crossing = self.machines.collective(pending.kind, pending.members, pending.nbytes)
         gather_seconds, gather_bytes = self.machines.arrival(pending.members[0], arrived)
         for member, share in zip(pending.members, shares):
             self.network.count(member, share, messages)
         inter = total * crossing // count
         self.network.count_level("inter_node", inter)
         self.network.count_level("intra_node", total - inter + count * gather_bytes)
-        seconds = steps * step_seconds + gather_seconds
+        seconds = ring_seconds + gather_seconds
         self.env.timeout(seconds).callbacks.append(lambda _event: pending.done.succeed(result))

@@ -22,7 +22,9 @@ interface (``k = 1`` when the members are numbered machine by machine), the edge
 parallel at the intra rate. So a step is the largest of ``k_m * chunk / rate + latency`` over machines and,
 if an edge stays inside a machine, ``chunk / intra rate + intra latency``. With a link cap a port carries
 ``floor(node / link)`` chunks at once and a link one (:func:`ring_rounds`); Gloo's two-member half-duplex
-rule is the case of a link that carries both edges of a step.
+rule is the case of a link that carries both edges of a step. That is Gloo's ring (``collectives="gloo_ring"``,
+the default); under ``collectives="nccl"`` the ring is ordered machine by machine and a hop's latency is its
+level's, or NCCL's tree runs instead (:mod:`lightning_dist.sim.nccl`).
 
 **One learner per machine** (``hierarchy="node"``, what :mod:`lightning_dist.strategies._hierarchy` runs):
 
@@ -33,7 +35,8 @@ rule is the case of a link that carries both edges of a step.
   one after the other here, so its duration, the one optimizer update included, is divided by ``L``) plus the
   ring all-reduce of the gradients inside the machine, ``ring_all_reduce_seconds(intra_node, L, gradient
   bytes)``, after the whole backward: DDP overlaps its buckets with the backward, so this is an upper bound,
-  as for the ``ddp`` protocol.
+  as for the ``ddp`` protocol. Under ``collectives="nccl"`` NCCL's model times it (its ring, the same time but
+  for Gloo's half-duplex pairs), and the all-gather below.
 - The protocol runs on one simulator node per learner, whose ports are the machine's interface. Local rank
   ``j`` carries chunk ``j`` of every exchange through that one interface, all ``L`` at once; together they take
   what one transfer of the whole takes, and a ring of ``N`` learners moves ``L`` slice rings of ``1/L`` of the
@@ -51,11 +54,11 @@ gradient bytes per machine and step and ``(L - 1) L ceil(nbytes / L)`` per machi
 
 Not modelled: a topology inside the machine (NVLink or NVSwitch is a plain capped link between every pair
 of ranks; no PCIe switches, NUMA or GPUDirect); in a hierarchy the machine's own traffic (the gradient
-all-reduce, the all-gathers) is timed by the ring formulas, not queued against itself; NCCL's tree or
-hierarchical algorithms for flat collectives (Gloo's ring over the members, as they come). The all-gather is
-charged on every arrival: a protocol that exchanges pieces in several phases (subset averaging's reduce and
-gather, segmented gossip's segments from several peers) pays it at each, where the strategy all-gathers once
-at the end, and a push reaching DownpourSGD's server thread on learner 0's machine pays it too: upper bounds.
+all-reduce, the all-gathers) is timed by the collective model's formulas, not queued against itself. The
+all-gather is charged on every arrival: a protocol that exchanges pieces in several phases (subset averaging's
+reduce and gather, segmented gossip's segments from several peers) pays it at each, where the strategy
+all-gathers once at the end, and a push reaching DownpourSGD's server thread on learner 0's machine pays it
+too: upper bounds.
 Workers that leave and join (churn) are refused with ``L > 1``.
 """
 
@@ -68,6 +71,7 @@ from dataclasses import asdict, replace
 from typing import Any, Optional
 
 from lightning_dist.algorithms.arguments import check_count, check_hierarchy
+from lightning_dist.sim import nccl
 from lightning_dist.sim.network_model import (
     NetworkModel,
     ring_all_gather_seconds,
@@ -109,6 +113,9 @@ class Machines:
         hierarchy: None (flat) or ``"node"`` (one learner per machine).
         gradient_bytes: bytes of a learner's gradients (its trainable parameters), all-reduced inside the
             machine every step under a hierarchy.
+        collectives: the collectives' cost model, ``"gloo_ring"`` (Gloo's ring over the members in member order,
+            :mod:`lightning_dist.sim.collectives`) or ``"nccl"`` (NCCL's ring or tree, :mod:`lightning_dist.sim.nccl`);
+            it also times a learner's all-reduce and all-gathers inside its machine.
 
     Nodes past the ranks (or learners) are servers, each a machine of its own.
     """
@@ -121,6 +128,7 @@ class Machines:
         ranks: int = 0,
         hierarchy: Optional[str] = None,
         gradient_bytes: int = 0,
+        collectives: str = "gloo_ring",
     ) -> None:
         self.gathers = hierarchy is not None and ranks_per_node > 1
         """Whether what reaches a learner waits for the machine's all-gather (and its steps for the all-reduce)."""
@@ -136,6 +144,7 @@ class Machines:
         """Simulator nodes per machine: ``L`` flat, 1 under a hierarchy (a node is a machine's learner)."""
         self.workers = ranks if hierarchy is None else ranks // ranks_per_node
         self.gradient_bytes = gradient_bytes
+        self.collectives = nccl.check_collectives(collectives)
 
     def machine_of(self, node: int) -> int:
         if node < self.workers:
@@ -165,8 +174,7 @@ class Machines:
         if not self.gathers or target >= self.workers:
             return 0.0, 0
         chunk = math.ceil(nbytes / self.ranks_per_node)
-        return (ring_all_gather_seconds(self.intra, self.ranks_per_node, chunk),
-                (self.ranks_per_node - 1) * self.ranks_per_node * chunk)
+        return self._inside("all_gather", chunk), (self.ranks_per_node - 1) * self.ranks_per_node * chunk
 
     def compute_share(self, kind: str, measured: float) -> float:
         """The part of a measured ``execute`` of ``kind`` that one rank takes: a learner's training step ran its
@@ -178,14 +186,48 @@ class Machines:
         machine after a training step; nothing otherwise."""
         if not self.gathers or kind != "step":
             return 0.0
-        return ring_all_reduce_seconds(self.intra, self.ranks_per_node, self.gradient_bytes)
+        return self._inside("all_reduce", self.gradient_bytes)
+
+    def _inside(self, kind: str, nbytes: int) -> float:
+        """A collective of ``kind`` among the ``L`` ranks of one machine under the chosen model (NCCL's ring, its
+        tree never faster on one machine, is Gloo's ring over ``intra_node`` but for Gloo's half-duplex pairs)."""
+        if self.collectives == "nccl":
+            return self._nccl(kind, [self.ranks_per_node], nbytes)
+        ring = ring_all_reduce_seconds if kind == "all_reduce" else ring_all_gather_seconds
+        return ring(self.intra, self.ranks_per_node, nbytes)
+
+    def _nccl(self, kind: str, layout: list[int], nbytes: float) -> float:
+        """NCCL's collective of ``kind`` among ranks ``layout[m]`` of which sit on machine ``m``."""
+        if kind == "all_reduce":
+            return nccl.all_reduce_seconds(self.network, self.intra, layout, nbytes)[1]
+        return nccl.all_gather_seconds(self.network, self.intra, layout, nbytes)
 
     @property
     def step_bytes(self) -> int:
         """Bytes a learner's gradient all-reduce moves inside its machine each step, as a ring is counted."""
         return 2 * (self.ranks_per_node - 1) * self.gradient_bytes if self.gathers else 0
 
-    # ------------------------------------------------------------------ rings
+    # ------------------------------------------------------------------ collectives among nodes
+
+    def collective(self, kind: str, members: Sequence[int], nbytes: int) -> tuple[float, int]:
+        """A collective of ``kind`` among ``members`` under the chosen model: its seconds and how many edges of its
+        ring cross between machines (the share of its bytes counted ``inter_node``). ``"all_reduce"`` reduces
+        ``nbytes``, ``"all_gather"`` gathers ``nbytes`` from every member.
+
+        Gloo's ring runs over the members in their order: ``2 (N - 1)`` (all-reduce, chunks of ``nbytes / N``) or
+        ``N - 1`` (all-gather, chunks of ``nbytes``) steps of :meth:`ring_step`. NCCL orders its ring machine by
+        machine, so ``M`` of its edges cross when the members span ``M > 1`` machines, and times it, or its tree, by
+        :mod:`lightning_dist.sim.nccl` from how many members sit on each machine.
+        """
+        count = len(members)
+        if count < 2:
+            return 0.0, 0
+        if self.collectives == "nccl":
+            layout = list(Counter(self.machine_of(member) for member in members).values())
+            return self._nccl(kind, layout, nbytes), len(layout) if len(layout) > 1 else 0
+        steps, chunk = (2 * (count - 1), nbytes / count) if kind == "all_reduce" else (count - 1, nbytes)
+        step_seconds, crossing = self.ring_step(members, chunk)
+        return steps * step_seconds, crossing
 
     def ring_step(self, members: Sequence[int], chunk_bytes: float) -> tuple[float, int]:
         """One step of a ring over ``members`` (two or more nodes, each sending to the previous member) moving
@@ -211,4 +253,5 @@ class Machines:
 
     def config(self) -> dict[str, Any]:
         """What a run's summary records of the machines."""
-        return {"ranks_per_node": self.ranks_per_node, "hierarchy": self.hierarchy, "intra_node": asdict(self.intra)}
+        return {"ranks_per_node": self.ranks_per_node, "hierarchy": self.hierarchy, "intra_node": asdict(self.intra),
+                "collectives": self.collectives}

@@ -15,6 +15,9 @@ Machines of several ranks (``ranks_per_node``, ``intra_node``, ``hierarchy``; :m
 worker node as above; with ``hierarchy="node"`` a machine's ``L`` ranks are one learner
 (:class:`~lightning_dist.sim.replica.NodeReplica`), the workers the protocol sees are the ``workers // L``
 machines, and ``num_workers`` counts them (``num_ranks`` the ranks).
+
+Collectives (DDP's gradient all-reduce, the protocols' all-reduces and all-gathers) take Gloo's ring time by
+default, or NCCL's ring or tree with ``collectives="nccl"`` (:mod:`lightning_dist.sim.nccl`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from lightning_dist.algorithms.arguments import check_count
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
 from lightning_dist.sim.machines import Machines, check_machines
+from lightning_dist.sim.nccl import check_collectives
 from lightning_dist.sim.network_model import NetworkModel
 from lightning_dist.sim.numerics import intra_op_threads, numerics
 from lightning_dist.sim.protocols.base import Program, Protocol
@@ -102,6 +106,11 @@ class Simulation(RunState):
             Used only when ``ranks_per_node > 1``.
         hierarchy: None (every rank a worker) or ``"node"``: one learner per machine, DDP inside it, the protocol
             between machines, as the strategies' ``hierarchy="node"``. ``speed.slowdown`` then names learners.
+        collectives: the cost model of every collective (DDP's gradient all-reduce, the protocols' all-reduces and
+            all-gathers): ``"gloo_ring"`` (default), Gloo's ring as the strategies run it on CPU
+            (:mod:`lightning_dist.sim.collectives`), or ``"nccl"``, NCCL's ring or tree, whichever its tuner predicts
+            faster, as a GPU cluster runs them (:mod:`lightning_dist.sim.nccl`). Point-to-point messages keep the
+            network model's timing either way.
     """
 
     def __init__(
@@ -123,8 +132,10 @@ class Simulation(RunState):
         ranks_per_node: int = 1,
         intra_node: Optional[NetworkModel] = None,
         hierarchy: Optional[str] = None,
+        collectives: str = "gloo_ring",
     ) -> None:
         self.num_ranks = check_count("workers", workers, 1)
+        self.collectives = check_collectives(collectives)
         self.ranks_per_node, self.hierarchy = check_machines(self.num_ranks, ranks_per_node, hierarchy)
         if intra_node is not None and not isinstance(intra_node, NetworkModel):
             raise TypeError(
@@ -194,7 +205,7 @@ class Simulation(RunState):
         self.evaluator = Evaluator(self.model, self.datamodule.val_dataloader())
         self.protocol.setup(self)
         self.machines = Machines(self.network_model, self.intra_node, self.ranks_per_node, self.num_ranks,
-                                 self.hierarchy, self.replicas[0].gradient_bytes)
+                                 self.hierarchy, self.replicas[0].gradient_bytes, self.collectives)
         self.simulator = Simulator(self.network_model, self.speed, self.machines)
         for rank in range(self.num_workers):
             self.simulator.add_node(f"worker{rank}", self._worker_program)

@@ -1,24 +1,25 @@
 """Data-parallel training as Lightning's DDP runs it (``Trainer(strategy="ddp")``): a gradient all-reduce every step.
 
 What the real run does: ``DistributedDataParallel`` all-reduces the gradients during backward
-(on CPU a Gloo ring all-reduce, :mod:`lightning_dist.sim.collectives`), bucket by bucket (the
+(on CPU a Gloo ring all-reduce, :mod:`lightning_dist.sim.collectives`; on GPUs NCCL's ring or tree,
+``Simulation(collectives="nccl")``, :mod:`lightning_dist.sim.nccl`), bucket by bucket (the
 first bucket 1 MiB, the others up to 25 MiB), each as soon as its gradients are ready, so
 communication overlaps the rest of backward. Every rank divides by the number of ranks and
 applies the mean gradient with its own optimizer; the replicas stay identical.
 
 Here every step each worker computes its gradient on its own batch (``execute``, the step's whole
 modelled time: forward, backward and the optimizer's update), then all workers all-reduce it (one
-ring all-reduce of the trainable parameters' gradients, ``M`` bytes in their dtype:
-``2 (N - 1) / N * M`` bytes sent per worker), then each applies the mean with its own optimizer.
+all-reduce of the trainable parameters' gradients under the simulation's collective model, ``M`` bytes in
+their dtype: ``2 (N - 1) / N * M`` bytes sent per worker), then each applies the mean with its own optimizer.
 The all-reduce starts when the whole backward has ended: **no overlap**, an upper bound on DDP's
 step time. How much DDP can hide: a bucket's all-reduce starts once all its gradients are ready,
 so only the buckets completed before the backward's end overlap it. With the defaults (first
 bucket 1 MiB, then up to 25 MiB) a model of a few MB has two buckets, and the second starts when
 the backward ends: for the 1.29 M-parameter ``TransformerLM`` (5.2 MB of gradients) at most the
 first 1 MiB, a fifth of the bytes, can overlap. The gradient moves as one all-reduce: DDP's
-buckets add ``2 (N - 1)`` latencies per extra bucket and move the same bytes. The optimizer's
-update after the all-reduce is an ``execute`` of kind ``"update"``: inside a modelled
-``step_seconds``, its own time when measured.
+buckets add a collective's latencies (Gloo's ring: ``2 (N - 1)``) per extra bucket and move the same
+bytes. The optimizer's update after the all-reduce is an ``execute`` of kind ``"update"``: inside a
+modelled ``step_seconds``, its own time when measured.
 
 The replicas being identical, the workers share one model and optimizer
 (:class:`~lightning_dist.sim.replica.SharedReplica`: one copy in memory, not N; its first worker to apply a step's
