@@ -301,10 +301,13 @@ def prediction_table(cells: list[dict[str, Any]]) -> str:
 def agreement(cells: list[dict[str, Any]]) -> str:
     """How many compared times lie within 20% of the measurement, and the cells where only one side reached the
     target; the cells run on their own measured step (``--own-step``) counted apart."""
-    own = [cell for cell in cells if cell.get("step") == "own"]
-    if own:
-        machine = [cell for cell in cells if cell.get("step") != "own"]
-        return f"Machine step: {agreement(machine)} Own measured step: {agreement(own)}"
+    parts = {kind: [cell for cell in cells if cell.get("step", "machine") == kind] for kind in ("machine", "own")}
+    return " ".join(f"{kind.capitalize()} step: {counted(part)}" if all(parts.values()) else counted(part)
+                    for kind, part in parts.items() if part)
+
+
+def counted(cells: list[dict[str, Any]]) -> str:
+    """:func:`agreement`'s sentence for one kind of cells."""
     times = [c["time_ratio"] for c in cells if c["time_ratio"] is not None]
     projected = [c["projected_ratio"] for c in cells if c.get("projected_ratio") is not None]
     one_sided = [f"{c['name']} at {c['node_mbit']:g}" for c in cells
@@ -359,7 +362,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.legend(unique.values(), unique.keys(), fontsize=8)
     left.set_xlabel("measured seconds to target")
     left.set_ylabel("simulated seconds to target")
-    left.set_title("prediction vs measurement, 4 ranks (band: within 20%; squares: DDP projected; triangles: the "
+    left.set_title("prediction vs measurement, 4 ranks\n(band: within 20%; squares: DDP projected; triangles: the "
                    "run's own step)", fontsize=9)
     left.grid(True, which="both", alpha=0.3)
     runs = report.get("scale", [])

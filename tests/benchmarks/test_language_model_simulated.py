@@ -6,8 +6,8 @@ import argparse
 import pytest
 
 from benchmarks.common.report import chosen
-from benchmarks.language_model.simulated import (check_method_names, measured_run_step_s, merged_prediction,
-                                                 merged_scale)
+from benchmarks.language_model.simulated import (agreement, check_method_names, measured_run_step_s,
+                                                 merged_prediction, merged_scale)
 
 
 def run(name, workers, seconds):
@@ -63,3 +63,14 @@ def test_a_measured_study_refuses_a_method_it_does_not_define_and_keeps_the_orde
     assert chosen(runs, None) == runs
     with pytest.raises(SystemExit, match="--methods: dynamic_high not among the methods of this study: ddp, dynamic_hi"):
         chosen(runs, ["dynamic_high"])
+
+
+def test_agreement_counts_the_cells_on_their_own_step_apart_and_alone_without_a_label():
+    def cell(ratio, step=None):
+        return {"name": "a", "node_mbit": 20, "time_ratio": ratio, "measured": {"time_to_target_s": 1.0},
+                "predicted": {"time_to_target_s": 1.0}, **({"step": step} if step else {})}
+
+    mixed = agreement([cell(1.0), cell(1.3, "own"), cell(0.9, "own")])
+    assert mixed.startswith("Machine step: 1 of 1 cells") and "Own step: 1 of 2 cells" in mixed
+    assert agreement([cell(1.3, "own"), cell(1.1, "own")]).startswith("1 of 2 cells")
+    assert agreement([cell(0.7), cell(1.0)]).startswith("1 of 2 cells")
