@@ -26,12 +26,15 @@ def _model_size(result):
 def test_tiny_threshold_equals_periodic_averaging_and_huge_threshold_moves_no_model(tmp_path):
     """Delta -> 0 violates at every check: a full sync every b steps, exactly periodic averaging.
     A huge Delta never violates: only the per-check flags move."""
-    trainer = {"max_epochs": 2}
-    periodic = _fit(tmp_path, "periodic", 2, {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4}}, trainer=trainer)
-    tiny = _fit(tmp_path, "tiny", 2, {"class": "DynamicAveragingStrategy",
-                                      "kwargs": {"divergence_threshold": 1e-12, "check_every": 4}}, trainer=trainer)
-    huge = _fit(tmp_path, "huge", 2, {"class": "DynamicAveragingStrategy",
-                                      "kwargs": {"divergence_threshold": 1e12, "check_every": 4}}, trainer=trainer)
+    runs = [{"name": "periodic", "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4}}},
+            {"name": "tiny", "strategy": {"class": "DynamicAveragingStrategy",
+                                          "kwargs": {"divergence_threshold": 1e-12, "check_every": 4}}},
+            {"name": "huge", "strategy": {"class": "DynamicAveragingStrategy",
+                                          "kwargs": {"divergence_threshold": 1e12, "check_every": 4}}}]
+    run_ranks(2, "fit", {"trainer": {"max_epochs": 2}, "runs": runs}, tmp_path)  # one launch, three fits
+    periodic, tiny, huge = (load_results(tmp_path / run["name"], 2) for run in runs)
+    for result in periodic + tiny + huge:
+        assert result["error"] is None, result["error"]
     steps = periodic[0]["local_steps"]
     checks = steps // 4
     assert checks >= 5 and tiny[0]["local_steps"] == steps
@@ -91,34 +94,6 @@ def test_no_silent_hang_a_failed_check_or_a_missing_rank_stops_every_rank_by_nam
     assert late["error"] is not None and "CollectiveError" in late["error"], late["error"]
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        {"class": "DynamicAveragingStrategy", "kwargs": {"divergence_threshold": 0.05, "check_every": 4}},
-        {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4, "client_fraction": 0.5}},
-        # The common model and the error-feedback residuals are in every rank's part.
-        {"class": "DynamicAveragingStrategy", "kwargs": {"divergence_threshold": 0.05, "check_every": 4,
-                                                         "compression": "int8"}},
-    ],
-    ids=["dynamic", "fedavg", "dynamic_int8"],
-)
-def test_resume_ends_with_the_uninterrupted_model(tmp_path, strategy):
-    """Stop after epoch 2 (a step count that is not a multiple of the period), resume, compare bit for bit."""
-    data = {"partition": "class_sorted"}
-    full = _fit(tmp_path, "full", 3, strategy, data=data, trainer={"max_epochs": 4}, checkpoint_dir=str(tmp_path / "ckpt"))
-    checkpoints = sorted((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))
-    assert len(checkpoints) == 1
-    stopped_at = torch.load(checkpoints[0], weights_only=False)["global_step"]
-    assert stopped_at % 4 != 0
-    resumed = _fit(tmp_path, "resumed", 3, strategy, data=data, trainer={"max_epochs": 4}, ckpt_path=str(checkpoints[0]))
-    for a, b in zip(full, resumed):
-        assert torch.equal(a["vector"], b["vector"])
-        assert a["local_steps"] == b["local_steps"]
-        assert a["comm"].protocol_bytes == b["comm"].protocol_bytes and a["comm"].syncs == b["comm"].syncs
-        for key, value in a["protocol"].items():
-            assert torch.equal(value, b["protocol"][key]) if isinstance(value, torch.Tensor) else value == b["protocol"][key]
-
-
 def test_a_replica_saved_from_another_gpu_loads_on_the_host(monkeypatch):
     """Rank 0 unpickles every rank's checkpoint part in its own process. A part saved from cuda:1 must land on the
     host there, not on cuda:1 of rank 0's machine (a context and memory on another rank's GPU, or an error).
@@ -164,13 +139,23 @@ RESIZED = {
 USER_CNN = {"name": "user_cnn", **RESIZED["dynamic"], "user_model": True, "trainer": {"max_epochs": 2}}
 # fp16 with a loss scaler per rank, written with initial scales 2^8 * 2^rank and resumed with 2 * 2^rank.
 LOSS_SCALER = {"name": "loss_scaler", **RESIZED["periodic"], "trainer": {"max_epochs": 2}}
+# Resumed on as many processes (3), bit for bit: a fixed threshold, FedAvg's drawn participants, and int8's common
+# model and error-feedback residuals, which are in every rank's part.
+SAME_SIZE = {
+    "same_dynamic": {"strategy": {"class": "DynamicAveragingStrategy",
+                                  "kwargs": {"divergence_threshold": 0.05, "check_every": 4}}},
+    "same_fedavg": {"strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 4, "client_fraction": 0.5}}},
+    "same_dynamic_int8": {"strategy": {"class": "DynamicAveragingStrategy",
+                                       "kwargs": {"divergence_threshold": 0.05, "check_every": 4, "compression": "int8"}}},
+}
 
 
 @pytest.fixture(scope="module")
 def resized(tmp_path_factory):
-    """Four launches for all cases: uninterrupted 4-epoch runs of every strategy at 3 and at 2 processes (a
+    """Five launches for all cases: uninterrupted 4-epoch runs of every strategy at 3 and at 2 processes (a
     checkpoint per epoch), then each one's epoch-1 checkpoint resumed at the other size; the user-CNN case is
-    written with the 3-process runs (2 epochs) and resumed with the 2-process ones."""
+    written with the 3-process runs (2 epochs) and resumed with the 2-process ones; the SAME_SIZE cases are written
+    with the 3-process runs and resumed on 3."""
     root = tmp_path_factory.mktemp("resized")
 
     def launch(name, nprocs, runs):
@@ -187,12 +172,15 @@ def resized(tmp_path_factory):
         runs = [{"name": case, **run, "checkpoint_dir": str(root / f"ckpt{size}" / case)} for case, run in RESIZED.items()]
         if size == 3:
             runs.append({**USER_CNN, "checkpoint_dir": str(root / "ckpt3" / "user_cnn")})
+            runs += [{"name": case, **run, "checkpoint_dir": str(root / "ckpt3" / case)} for case, run in SAME_SIZE.items()]
         runs.append({**LOSS_SCALER, "loss_scale_base": 2.0**8, "checkpoint_dir": str(root / f"ckpt{size}" / "loss_scaler")})
         full[size] = launch(f"full{size}", size, runs)
         written[size] = {case: next((root / f"ckpt{size}" / case).glob("epoch=1-*.ckpt")) for case in RESIZED}
         written[size]["loss_scaler"] = next((root / f"ckpt{size}" / "loss_scaler").glob("epoch=0-*.ckpt"))
     written[3]["user_cnn"] = next((root / "ckpt3" / "user_cnn").glob("epoch=0-*.ckpt"))
-    resumed = {}
+    written[3].update({case: next((root / "ckpt3" / case).glob("epoch=1-*.ckpt")) for case in SAME_SIZE})
+    resumed = {(3, 3): launch("resumed3to3", 3, [{"name": case, **run, "ckpt_path": str(written[3][case])}
+                                                  for case, run in SAME_SIZE.items()])}
     for old, new in ((3, 2), (2, 3)):
         runs = [{"name": case, **run, "ckpt_path": str(written[old][case])} for case, run in RESIZED.items()]
         if old == 3:
@@ -200,6 +188,21 @@ def resized(tmp_path_factory):
         runs.append({**LOSS_SCALER, "loss_scale_base": 2.0, "ckpt_path": str(written[old]["loss_scaler"])})
         resumed[old, new] = launch(f"resumed{old}to{new}", new, runs)
     return full, written, resumed
+
+
+@pytest.mark.parametrize("case", list(SAME_SIZE))
+def test_resume_ends_with_the_uninterrupted_model(resized, case):
+    """Stop after epoch 2 (a step count that is not a multiple of the period), resume on as many processes (3),
+    compare bit for bit with the uninterrupted run (both in the ``resized`` fixture's launches)."""
+    full, written, resumed = resized
+    stopped_at = torch.load(written[3][case], weights_only=False)["global_step"]
+    assert stopped_at % 4 != 0
+    for a, b in zip(full[3][case], resumed[3, 3][case]):
+        assert torch.equal(a["vector"], b["vector"])
+        assert a["local_steps"] == b["local_steps"]
+        assert a["comm"].protocol_bytes == b["comm"].protocol_bytes and a["comm"].syncs == b["comm"].syncs
+        for key, value in a["protocol"].items():
+            assert torch.equal(value, b["protocol"][key]) if isinstance(value, torch.Tensor) else value == b["protocol"][key]
 
 
 @pytest.mark.parametrize("case", list(RESIZED))
