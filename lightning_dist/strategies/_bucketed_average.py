@@ -40,9 +40,8 @@ def average_in_place(vector: ModelVector, comm: Communicator, purpose: str,
     buckets: :attr:`OuterStep.bucket <lightning_dist.algorithms.outer.OuterStep.bucket>`).
     """
     bucket = averaging.AVERAGE_BUCKET if bucket is None else bucket
-    # Two buffers for every bucket: a bucket's memory is not handed back to the allocator while the backend still
-    # holds the finished all-reduce of the one before (Gloo releases it from its own thread), so a new one per
-    # bucket would come on top of it.
+    # Two buffers, reused in turn by every bucket: a new tensor per bucket would come on top of the last one, whose
+    # memory the backend holds until it releases the finished all-reduce (Gloo does so from its own thread).
     size = min(bucket, vector.numel)
     buffers = [torch.empty(size, dtype=accumulation_dtype(vector.dtype), device=vector.parameters[0].device)
                for _ in range(min(2, -(-vector.numel // size)))]
