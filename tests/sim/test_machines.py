@@ -9,37 +9,14 @@ from pathlib import Path
 import pytest
 
 from lightning_dist.cli import main
-from lightning_dist.sim import Churn, NetworkModel, PeriodicAveraging, Simulator
+from lightning_dist.sim import Churn, NetworkModel, PeriodicAveraging
 from lightning_dist.sim.network_model import ring_all_gather_seconds
 from lightning_dist.sim.machines import Machines
-from sim.helpers import simulation
+from sim.helpers import ring, run, simulation
 
 MB = 1_000_000
 INTER = NetworkModel(latency=0.001, node_mbit=8)  # 1 MB/s per machine interface
 INTRA = NetworkModel(latency=0.0001, node_mbit=80)  # 10 MB/s between two ranks of a machine
-
-
-def run(machines, programs):
-    """Node ``i`` runs ``programs[i](node, records)``; returns what they recorded and the network."""
-    simulator = Simulator(machines.network, machines=machines)
-    records = {}
-    for index, program in enumerate(programs):
-        simulator.add_node(f"n{index}", lambda node, program=program: program(node, records))
-    simulator.run()
-    return records, simulator.network
-
-
-def ring(members, nbytes, kind="all_reduce"):
-    def program(node, records):
-        if node.index in members:
-            if kind == "all_reduce":
-                yield from node.all_reduce("c", members, 1.0, sum, nbytes=nbytes)
-            else:
-                yield from node.all_gather("c", members, 1.0, nbytes=nbytes)
-            records[node.index] = node.now
-        yield node.sleep(0)
-
-    return program
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from lightning_dist.cli import main
-from lightning_dist.sim import DataParallel, NetworkModel, Simulator, SpeedModel, nccl
+from lightning_dist.sim import DataParallel, NetworkModel, SpeedModel, nccl
 from lightning_dist.sim.machines import Machines
 from lightning_dist.sim.network_model import ring_all_gather_seconds, ring_all_reduce_seconds
-from sim.helpers import simulation
+from sim.helpers import ring, run, simulation
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1_000_000
@@ -80,22 +80,7 @@ def test_nccls_ring_is_gloos_ring_with_one_rank_per_machine(ranks, network):
 
 def collective_times(machines, members, nbytes, kind):
     """When each member of one collective of ``kind`` gets its result, and the network's byte counts."""
-    simulator = Simulator(machines.network, machines=machines)
-    done = {}
-
-    def program(node):
-        if node.index in members:
-            if kind == "all_reduce":
-                yield from node.all_reduce("c", members, 1.0, sum, nbytes=nbytes)
-            else:
-                yield from node.all_gather("c", members, 1.0, nbytes=nbytes)
-            done[node.index] = node.now
-        yield node.sleep(0)
-
-    for index in range(machines.workers):
-        simulator.add_node(f"n{index}", program)
-    simulator.run()
-    return done, simulator.network
+    return run(machines, [ring(members, nbytes, kind)] * machines.workers)
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "all_gather"])
