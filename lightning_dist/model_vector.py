@@ -7,6 +7,8 @@ from functools import reduce
 import torch
 from torch import Tensor, nn
 
+from lightning_dist.algorithms.averaging import all_finite
+
 
 class ModelVector:
     """Flattens parameters, then floating-point buffers, of ``module`` into one vector.
@@ -65,6 +67,10 @@ class ModelVector:
                 flat = tensor.reshape(-1).clone()
                 flat[lo - offset:hi - offset] = piece
                 tensor.copy_(flat.view_as(tensor))
+
+    def all_finite(self) -> bool:
+        """Whether every entry of :meth:`get`'s vector is finite, without a copy of it."""
+        return all(all_finite(tensor.detach()) for tensor in self._tensors)
 
     def _check_range(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.numel:

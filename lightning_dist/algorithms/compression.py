@@ -75,11 +75,13 @@ def encode(vector: Tensor, codec: str) -> Encoded:
     if codec == "bf16":
         return Encoded(vector.to(torch.bfloat16), vector.new_empty(0, dtype=torch.float32))
     values = vector.to(torch.float32)
-    padded = torch.nn.functional.pad(values, (0, num_blocks(values.numel()) * INT8_BLOCK - values.numel()))
+    padded = values.new_zeros(num_blocks(values.numel()) * INT8_BLOCK)  # a new tensor: the codes are formed in it
+    padded[: values.numel()] = values
     blocks = padded.view(-1, INT8_BLOCK)
-    scales = blocks.abs().amax(dim=1) / INT8_LEVELS
+    # max |x| per block without a temporary |x| of the vector's size (abs_ turns a -0.0 of a zero block into 0.0)
+    scales = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg()).abs_() / INT8_LEVELS
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    codes = blocks.div_(safe[:, None]).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
     return Encoded(codes.view(-1)[: values.numel()], scales)
 
 
@@ -87,9 +89,9 @@ def decode(encoded: Encoded, codec: str) -> Tensor:
     """The float32 values ``encoded`` stands for."""
     if codec == "bf16":
         return encoded.codes.to(torch.float32)
-    codes = encoded.codes.to(torch.float32)
-    padded = torch.nn.functional.pad(codes, (0, encoded.scales.numel() * INT8_BLOCK - codes.numel()))
-    return (padded.view(-1, INT8_BLOCK) * encoded.scales[:, None]).view(-1)[: codes.numel()]
+    codes = encoded.codes
+    padded = torch.nn.functional.pad(codes, (0, encoded.scales.numel() * INT8_BLOCK - codes.numel())).to(torch.float32)
+    return padded.view(-1, INT8_BLOCK).mul_(encoded.scales[:, None]).view(-1)[: codes.numel()]
 
 
 def encoded_nbytes(num_elements: int, codec: str) -> int:
@@ -114,16 +116,19 @@ def compressed_sync_nbytes(num_parameters: int, num_buffers: int, ranks: int, co
 
 
 def compress_chunks(
-    update: Tensor, residual: Tensor, codec: str, bounds: Sequence[tuple[int, int]]
+    update: Tensor, residual: Tensor, codec: str, bounds: Sequence[tuple[int, int]], overwrite: bool = False
 ) -> tuple[list[Encoded], Tensor]:
     """``update + residual`` compressed chunk by chunk (int8 blocks start at each chunk), and the new residual.
 
-    Chunks are compressed apart so that each owner's piece decodes on its own.
+    Chunks are compressed apart so that each owner's piece decodes on its own. The new residual is formed in
+    ``update`` itself when ``overwrite`` (a float32 tensor of the caller's own, with no other use), else in a new
+    tensor: no temporary of the vector's size either way (a bucket of a large model's synchronization).
     """
-    value = update.to(torch.float32) + residual
+    value = update.add_(residual) if overwrite else update.to(torch.float32) + residual
     pieces = [encode(value[start:stop], codec) for start, stop in bounds]
-    decoded = torch.cat([decode(piece, codec) for piece in pieces]) if pieces else value.new_empty(0)
-    return pieces, value - decoded
+    for piece, (start, stop) in zip(pieces, bounds):
+        value[start:stop].sub_(decode(piece, codec))
+    return pieces, value
 
 
 def compressed_mean(

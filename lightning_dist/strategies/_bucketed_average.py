@@ -1,12 +1,19 @@
-"""Averaging the replicas in place, a bucket at a time: a full synchronization without a copy of the model.
+"""Full synchronizations in place, a bucket at a time: every replica becomes the mean without a copy of the model.
 
-Blocking periodic averaging used to flatten the model (a copy), sum it in the accumulation dtype (a second) and
+Blocking synchronizations used to flatten the model (a copy), sum it in the accumulation dtype (a second) and
 divide (a third) before writing the mean back: three model-sized temporaries, 1.2 GB for a 100M-parameter float32
-model. Here each bucket of :data:`~lightning_dist.algorithms.averaging.AVERAGE_BUCKET` elements is copied,
-all-reduced (the next bucket's copy overlapping it), divided in place, optionally moved by DiLoCo's outer step
-(:meth:`~lightning_dist.algorithms.outer.OuterStep.step_range`) and written back; a model under one bucket is
-averaged by one all-reduce of the same bytes, so the arithmetic and the bytes counted are those of the whole-vector
-average, bit for bit.
+model, six model sizes with int8 compression. Here the model vector is cut into buckets of
+:data:`~lightning_dist.algorithms.averaging.AVERAGE_BUCKET` elements, each copied, averaged, optionally moved by
+DiLoCo's outer step (:meth:`~lightning_dist.algorithms.outer.OuterStep.step_range`) and written back:
+
+- flat and uncompressed (:func:`average_in_place`): each bucket all-reduced in the accumulation dtype, the next
+  bucket's copy overlapping it;
+- compressed or under a hierarchy (:func:`synchronize_buckets`): each bucket exchanged in turn by its
+  :class:`~lightning_dist.strategies._fragment_exchange.FragmentExchange` (its chunks between nodes, its own
+  compressed state: the codec's definition applied bucket by bucket).
+
+A model under one bucket is synchronized by one exchange of the same bytes, so the arithmetic and the bytes counted
+are those of the whole-vector synchronization, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,9 +28,17 @@ from lightning_dist.algorithms.averaging import accumulation_dtype, all_finite
 from lightning_dist.comm import Communicator
 from lightning_dist.comm.communicator import Pending
 from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes
 
 Combine = Callable[[int, Tensor], Tensor]
 """``(start, mean)`` -> what the replicas hold at ``[start, start + len(mean))`` (may overwrite ``mean``)."""
+
+
+def bucket_bounds(numel: int, bucket: int | None = None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of the buckets of a model vector of ``numel`` elements: ``bucket`` (default
+    ``AVERAGE_BUCKET``) each, the last one shorter (one empty bucket for an empty vector)."""
+    bucket = averaging.AVERAGE_BUCKET if bucket is None else bucket
+    return [(start, min(start + bucket, numel)) for start in range(0, max(numel, 1), bucket)]
 
 
 def average_in_place(vector: ModelVector, comm: Communicator, purpose: str,
@@ -67,3 +82,21 @@ def _finish(vector: ModelVector, comm: Communicator, start: int, pending: Pendin
         raise_if_non_finite(vector.get_range(start, start + total.numel()))
     mean = total.div_(comm.world_size)
     vector.set_range(start, mean if combine is None else combine(start, mean))
+
+
+def synchronize_buckets(vector: ModelVector, buckets: list[FragmentExchange], lanes: Lanes, purpose: str,
+                        raise_if_non_finite: Callable[[Tensor], None], combine: Combine | None = None) -> None:
+    """Set ``vector``'s model to the mean over the learners (or ``combine`` of it), one of ``buckets`` at a time.
+
+    Each bucket's mean (:meth:`FragmentExchange.mean`) is the same on every rank, so is the decision that it is
+    non-finite: then ``raise_if_non_finite`` names the ranks (a collective), the replicas left synchronized up to
+    that bucket. With compression the caller checks the replicas first (a non-finite delta must not reach a
+    residual). The buckets' compressed deltas are taken from the result next time.
+    """
+    for bucket in buckets:
+        mean = bucket.mean(lanes, vector.get_range(bucket.start, bucket.stop), purpose)
+        if not all_finite(mean):  # the model still holds this rank's bucket: the exchange summed a copy
+            raise_if_non_finite(vector.get_range(bucket.start, bucket.stop))
+        synchronized = mean if combine is None else combine(bucket.start, mean)
+        vector.set_range(bucket.start, synchronized)
+        bucket.hold(synchronized)

@@ -131,7 +131,7 @@ class ReplicaCheckpoints:
         written_by, in_place = state["world_size"], self._resumes_in_place(state)
         replica = self._followed_replica(state)
         # The checkpoint's state_dict, the same on every rank: what compressed exchanges restart from in a new layout.
-        consensus = self.model_vector.get() if self.compression is not None else None
+        consensus = self.model_vector.get() if self._sync_codec is not None and self._buckets is not None else None
         # Global counters first: a strategy whose counts are per rank (DownpourSGD's pushes) sets its own below.
         self._local_steps = state["local_steps"]
         self._syncs = state["syncs"]
@@ -178,19 +178,27 @@ class ReplicaCheckpoints:
 
     def compression_state_dict(self) -> dict[str, Any] | None:
         """This rank's compressed exchanges' state (residuals), its checkpoint part's ``"compression"``."""
-        return None if self._compressed is None else self._compressed.state_dict()
+        if self._sync_codec is None or self._buckets is None:
+            return None
+        return {"buckets": [bucket.state_dict() for bucket in self._buckets]}
 
     def _resume_compression(self, saved: Mapping[str, Any] | None, consensus: Tensor | None) -> None:
         """A compressed exchange's state: this rank's own in the same layout; else (another layout, or a checkpoint
         written without compression) deltas from the checkpoint's consensus, residuals at zero: the updates they
         held, a few quantization errors' worth, are dropped (the chunks they were owed are re-cut)."""
-        if self._compressed is None:
+        if self._sync_codec is None or self._buckets is None:
             return
-        if saved is not None:
-            self._compressed.load_state_dict(saved, self.root_device)
-        else:
-            assert consensus is not None
-            self._compressed.restart(self.learner_part(consensus))
+        if saved is not None and len(saved["buckets"]) != len(self._buckets):
+            raise ValueError(
+                f"the checkpoint's compressed state is cut into {len(saved['buckets'])} bucket(s) and this run's into "
+                f"{len(self._buckets)}: resume with the lightning_dist.algorithms.averaging.AVERAGE_BUCKET that wrote it"
+            )
+        for index, bucket in enumerate(self._buckets):
+            if saved is not None:
+                bucket.load_state_dict(saved["buckets"][index])
+            else:
+                assert consensus is not None
+                bucket.restart(consensus[bucket.start:bucket.stop])
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         state = checkpoint.get(CHECKPOINT_KEY)

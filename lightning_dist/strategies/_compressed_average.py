@@ -77,22 +77,26 @@ class CompressedAverage:
             self.residual = torch.zeros(num_parameters, dtype=torch.float32, device=local.device)
             self.owner_residual = torch.zeros(stop - start, dtype=torch.float32, device=local.device)
         anchor = self.common[:num_parameters].to(dtype)
-        delta = (local[:num_parameters].to(dtype) - anchor).to(torch.float32)
-        pieces, self.residual = compress_chunks(delta, self.residual, self.codec, list(bounds.values()))
+        delta = (local[:num_parameters].to(dtype) - anchor).to(torch.float32)  # a new tensor: the residual's
+        pieces, self.residual = compress_chunks(delta, self.residual, self.codec, list(bounds.values()), overwrite=True)
         received = self._exchange(comm, {owner: pieces[owner] for owner in ranks if owner != rank},
                                   {source: bounds[rank] for source in ranks if source != rank}, purpose)
         received[rank] = pieces[rank]
-        chunk_sum = sum(decode(received[source], self.codec) for source in ranks)
+        chunk_sum = sum(decode(received[source], self.codec) for source in ranks)  # a new tensor: the residual's
         (mean_piece,), self.owner_residual = compress_chunks(
-            chunk_sum / len(ranks), self.owner_residual, self.codec, [(0, stop - start)])
+            chunk_sum.div_(len(ranks)), self.owner_residual, self.codec, [(0, stop - start)], overwrite=True)
         gathered = self._exchange(comm, {member: mean_piece for member in ranks if member != rank},
                                   {owner: bounds[owner] for owner in ranks if owner != rank}, purpose)
         gathered[rank] = mean_piece
-        applied = torch.cat([decode(gathered[owner], self.codec) for owner in ranks])
-        buffers = local[num_parameters:].to(dtype, copy=True)
+        # anchor + D(Q(u)), then the buffers' mean, written into one new vector (no temporaries of its size)
+        mean = torch.empty(local.numel(), dtype=dtype, device=local.device)
+        for owner in ranks:
+            begin, end = bounds[owner]
+            torch.add(anchor[begin:end], decode(gathered[owner], self.codec).to(dtype), out=mean[begin:end])
+        buffers = mean[num_parameters:].copy_(local[num_parameters:])
         if buffers.numel():
             comm.all_reduce_sum_(buffers, purpose).div_(comm.world_size)
-        return torch.cat([anchor + applied.to(dtype), buffers]).to(local.dtype)
+        return mean.to(local.dtype)
 
     def _exchange(self, comm: Communicator, outgoing: dict[int, Encoded], incoming: dict[int, tuple[int, int]],
                   purpose: str) -> dict[int, Encoded]:

@@ -18,7 +18,8 @@ training thread when it collects the exchange.
 
 State: per fragment, DiLoCo's :class:`~lightning_dist.algorithms.outer.OuterStep` (the fragment's reference and
 the optimizer's state, on ``state_device``: ``"cpu"`` keeps them in host memory, as torchft keeps its backup)
-and the compressed exchange's state (:class:`CompressedAverage`: its common model is the fragment's last
+and the compressed exchange's state (a
+:class:`~lightning_dist.strategies._fragment_exchange.FragmentExchange`'s :class:`CompressedAverage`: its common model is the fragment's last
 synchronized model, and the error-feedback residuals; on ``state_device`` too, brought to the model's device for
 the fragment's exchange); one exchange in flight at a time.
 """
@@ -27,36 +28,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.averaging import accumulation_dtype, all_finite
+from lightning_dist.algorithms.averaging import all_finite
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.algorithms.streaming import StreamingPlan, merge
-from lightning_dist.comm import Communicator
 from lightning_dist.model_vector import ModelVector
-from lightning_dist.strategies._compressed_average import CompressedAverage
-from lightning_dist.strategies._hierarchy import NodeHierarchy
-
-
-@dataclass
-class Lanes:
-    """The communicators one exchange runs on: every rank (the finiteness check), and the hierarchy if any."""
-
-    world: Communicator
-    hierarchy: NodeHierarchy | None
-
-    @property
-    def learners(self) -> Communicator:
-        return self.world if self.hierarchy is None else self.hierarchy.inter_node
-
-    def close(self) -> None:
-        self.world.close()
-        if self.hierarchy is not None:
-            self.hierarchy.close()
+from lightning_dist.strategies._fragment_exchange import Lanes, exchanges
 
 
 class _InFlight:
@@ -100,39 +81,19 @@ class StreamingSync:
         self.device = vector.parameters[0].device
         self.state_device = state_device or self.device
         self.outer = [self._outer_step(outer_optimizer, start, stop) for start, stop in self.bounds]
-        self.compressed = [self._compressor(start, stop) for start, stop in self.bounds]
+        self.fragments = exchanges(self.bounds, vector.num_parameters, foreground.hierarchy, codec, self.device,
+                                   self.state_device)
+        if codec is not None:  # each fragment's compressed deltas are taken from the model every replica starts with
+            for fragment in self.fragments:
+                fragment.hold(vector.get_range(fragment.start, fragment.stop))
         self.in_flight: _InFlight | None = None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and background is not None else None
 
     def _outer_step(self, factory: OuterOptimizerFactory | None, start: int, stop: int) -> OuterStep | None:
-        parameters = self._num_parameters(start, stop)
+        parameters = max(0, min(stop, self.vector.num_parameters) - start)
         if factory is None or parameters == 0:
             return None
         return OuterStep(self.vector.get_range(start, start + parameters).to(self.state_device), factory)
-
-    def _compressor(self, start: int, stop: int) -> CompressedAverage | None:
-        if self.codec is None:
-            return None
-        compressed = CompressedAverage(self.codec)
-        compressed.hold(self._part(self.vector.get_range(start, stop)).to(self.state_device), copy=False)
-        return compressed
-
-    def _num_parameters(self, start: int, stop: int) -> int:
-        return max(0, min(stop, self.vector.num_parameters) - start)
-
-    def _part(self, fragment: Tensor) -> Tensor:
-        """The piece of a fragment this rank exchanges between learners (all of it, or its chunk in the node)."""
-        hierarchy = self.foreground.hierarchy
-        return fragment if hierarchy is None else hierarchy.part(fragment, fragment.numel())
-
-    def _part_num_parameters(self, index: int) -> int:
-        start, stop = self.bounds[index]
-        parameters = self._num_parameters(start, stop)
-        hierarchy = self.foreground.hierarchy
-        if hierarchy is None:
-            return parameters
-        part_start, part_stop = hierarchy.own_bounds(stop - start)
-        return max(0, min(part_stop, parameters) - part_start)
 
     # ------------------------------------------------------------ the schedule
 
@@ -207,11 +168,7 @@ class StreamingSync:
         alpha = self.plan.alpha
         self.vector.set_range(start, synchronized if alpha == 0 else merge(self.vector.get_range(start, stop),
                                                                              synchronized, alpha))
-        if self.compressed[fragment] is not None:  # the next deltas of this fragment are taken from its new model
-            # Under a hierarchy the part is a view of the whole fragment: keep a copy of the part alone.
-            part = self._part(synchronized)
-            self.compressed[fragment].hold(part.to(self.state_device),
-                                           copy=self.foreground.hierarchy is not None and part.device == self.state_device)
+        self.fragments[fragment].hold(synchronized)  # compression's next deltas of this fragment are taken from it
 
     # ------------------------------------------------------------ one exchange
 
@@ -222,21 +179,7 @@ class StreamingSync:
         flags = lanes.world.all_gather(flag, "protocol").view(-1).tolist()
         # The step the copies were taken after: training has moved on by the time a background exchange checks them.
         self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite], step)
-        part = self._part(snapshot)
-        compressed = self.compressed[fragment]
-        if compressed is not None:
-            compressed.to(self.device)  # from state_device for the exchange, and back (no copy when they agree)
-            try:
-                mean_part = compressed.average(lanes.learners, part, self._part_num_parameters(fragment), "protocol")
-            finally:
-                compressed.to(self.state_device)
-        else:
-            # ``snapshot`` is this exchange's own copy: summed in place when it is in the accumulation dtype already
-            total = lanes.learners.all_reduce_sum_(part.to(accumulation_dtype(part.dtype)), "protocol")
-            mean_part = total.div_(lanes.learners.world_size).to(part.dtype)
-        if lanes.hierarchy is None:
-            return mean_part
-        return lanes.hierarchy.whole(mean_part, snapshot.numel(), "protocol")
+        return self.fragments[fragment].mean(lanes, snapshot, "protocol")  # ``snapshot`` is this exchange's own copy
 
     def metrics(self) -> dict[str, float]:
         """DiLoCo's counters over the fragments: outer steps taken, and the norms of each fragment's last step
@@ -288,7 +231,7 @@ class StreamingSync:
         """This rank's compressed exchanges' state, fragment by fragment (empty without compression)."""
         if self.codec is None:
             return {}
-        return {"compressed": [compressed.state_dict() for compressed in self.compressed if compressed is not None]}
+        return {"compressed": [fragment.state_dict() for fragment in self.fragments]}
 
     def load_worker_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`worker_state_dict`; an empty state (another layout) restarts every fragment's compressed
@@ -296,12 +239,11 @@ class StreamingSync:
         if self.codec is None:
             return
         saved = state.get("compressed")
-        for index, compressed in enumerate(self.compressed):
-            assert compressed is not None
+        for index, fragment in enumerate(self.fragments):
             if saved is not None:
-                compressed.load_state_dict(saved[index], self.state_device)
+                fragment.load_state_dict(saved[index])
             else:
-                compressed.restart(self._part(self.vector.get_range(*self.bounds[index])).to(self.state_device))
+                fragment.restart(self.vector.get_range(fragment.start, fragment.stop))
 
     def close(self) -> None:
         if self.background is not None:

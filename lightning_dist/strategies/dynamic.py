@@ -312,15 +312,8 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
 
     def _full_sync(self) -> None:
         """Every replica and ``r`` become the mean of all replicas (the all-reduce), or DiLoCo's outer step from it."""
-        if self._compressed is None and self._hierarchy is None:
-            self.average_in_place("protocol", self._outer)  # a bucket at a time, never a copy of the model
-            self.model_vector.get_range(0, self.reference.numel(), out=self.reference)
-        else:
-            mean = self.synchronize_all("protocol")
-            if self._outer is not None:
-                mean = self._outer.step(mean)
-            self.set_common_model(mean)
-            self._reference = self.model_vector.parameters_of(mean).clone()
+        self.synchronize_in_place("protocol", self._outer)  # a bucket at a time, never a copy of the model
+        self.model_vector.get_range(0, self.reference.numel(), out=self.reference)
         self._full_syncs += 1
         self._syncs += 1
 

@@ -32,13 +32,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_dist.algorithms.arguments import check_compression, check_hierarchy
-from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.averaging import accumulation_dtype, all_finite
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.comm import CommStats, Communicator, check_timeout, new_group, restart_scoped_store
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._bucketed_average import average_in_place as bucketed_average
+from lightning_dist.strategies._bucketed_average import bucket_bounds, synchronize_buckets
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
-from lightning_dist.strategies._compressed_average import CompressedAverage
+from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes, exchanges
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 
 
@@ -104,7 +105,9 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         )
         self.seed = seed
         self.compression = check_compression(compression)
-        self._compressed = CompressedAverage(compression) if compression is not None else None
+        # The codec of full synchronizations (a subclass without them, DownpourSGD, keeps its own and passes none).
+        self._sync_codec = self.compression
+        self._buckets: list[FragmentExchange] | None = None
         self.hierarchy = check_hierarchy(hierarchy)
         self._hierarchy: NodeHierarchy | None = None
         self._comm: Communicator | None = None
@@ -174,6 +177,7 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
         self._vector = ModelVector(self.model)
         vector = self._vector.get()
         self.comm.broadcast_(vector, src=0, purpose="setup")
+        self._buckets = self.full_sync_buckets()
         self.set_common_model(vector)
         self.on_replicas_initialized(vector)
         if self._hierarchy is not None:
@@ -290,24 +294,29 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
 
     # ------------------------------------------------------------ averaging
 
-    def synchronize_all(self, purpose: str) -> Tensor:
-        """A full synchronization's mean of all replicas: :meth:`average_all`, or with ``compression`` the common
-        model plus the compressed mean of the replicas' deltas from it. The caller hands every rank the result
-        through :meth:`set_common_model` (or what an outer step makes of it)."""
-        if self._compressed is None:
-            return self.average_all(purpose)
-        local = self.model_vector.get()
-        self.raise_if_non_finite(local)  # before a non-finite delta turns a block's scale non-finite
-        part = self._compressed.average(self.learners, self.learner_part(local), self.learner_num_parameters(), purpose)
-        return self.learner_whole(part, purpose)
+    def full_sync_buckets(self) -> list[FragmentExchange] | None:
+        """The buckets a compressed or hierarchical full synchronization exchanges in turn, with their compressed
+        state (:func:`~lightning_dist.strategies._bucketed_average.synchronize_buckets`); None when it is flat and
+        uncompressed (averaged by pipelined all-reduces)."""
+        if self._hierarchy is None and self._sync_codec is None:
+            return None
+        vector = self.model_vector
+        return exchanges(bucket_bounds(vector.numel), vector.num_parameters, self._hierarchy, self._sync_codec,
+                         self.root_device, self.compression_state_device)
+
+    @property
+    def compression_state_device(self) -> torch.device | None:
+        """Where compressed synchronizations keep their state between exchanges (None: the model's device)."""
+        return None
 
     def set_common_model(self, vector: Tensor) -> None:
-        """Every replica now holds ``vector``: after a full synchronization, at the start and at the end of ``fit``.
+        """Every replica now holds ``vector``: at the start and at the end of ``fit``, and at a resume.
         The next compressed synchronization sends the deltas from it."""
         self.model_vector.set(vector)
         self._replicas_in_sync = True
-        if self._compressed is not None:
-            self._compressed.hold(self.learner_part(vector))
+        if self._sync_codec is not None and self._buckets is not None:
+            for bucket in self._buckets:
+                bucket.hold(vector[bucket.start:bucket.stop], copy=True)
 
     def average_all(self, purpose: str) -> Tensor:
         """The mean of all replicas (an all-reduce); raises if any replica is non-finite.
@@ -326,18 +335,25 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
             self.raise_if_non_finite(local)
         return (total / self.comm.world_size).to(local.dtype)
 
-    def average_in_place(self, purpose: str, outer: OuterStep | None = None) -> None:
-        """Replace every replica by the mean of all replicas, or DiLoCo's ``outer`` step from it, a bucket at a time
-        (flat, uncompressed): the arithmetic and bytes of :meth:`average_all` (and ``outer.step``) then
-        :meth:`set_common_model`, with a few buckets of extra memory, never a model's
-        (:func:`~lightning_dist.strategies._bucketed_average.average_in_place`)."""
-        assert self._hierarchy is None and self._compressed is None, "average_in_place: flat, uncompressed only"
+    def synchronize_in_place(self, purpose: str, outer: OuterStep | None = None) -> None:
+        """A full synchronization: every replica becomes the mean of all replicas (with ``compression`` the common
+        model plus the compressed mean of the deltas from it), or DiLoCo's ``outer`` step from it, a bucket at a
+        time, with a few buckets of extra memory, never a model's (:mod:`~lightning_dist.strategies.
+        _bucketed_average`); raises, naming them, if any replica is non-finite."""
         def step(start: int, mean: Tensor) -> Tensor:  # on the outer state's device (the host with state_device)
             assert outer is not None
-            return outer.step_range(start, mean.to(outer.reference.device))
+            reference = outer.reference
+            return outer.step_range(start, mean.to(reference.device, reference.dtype))
 
-        bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite,
-                         None if outer is None else step, None if outer is None else outer.bucket)
+        combine = None if outer is None else step
+        if self._buckets is None:
+            bucketed_average(self.model_vector, self.comm, purpose, self.raise_if_non_finite, combine,
+                             None if outer is None else outer.bucket)
+        else:
+            if self._sync_codec is not None:  # before a non-finite delta turns a block's scale non-finite
+                self.raise_unless_finite(self.model_vector.all_finite())
+            synchronize_buckets(self.model_vector, self._buckets, Lanes(self.comm, self._hierarchy), purpose,
+                                self.raise_if_non_finite, combine)
         self._replicas_in_sync = True
 
     @staticmethod
@@ -347,7 +363,11 @@ class LocalUpdateStrategy(ReplicaCheckpoints, DDPStrategy):
 
     def raise_if_non_finite(self, local: Tensor) -> None:
         """Collective check: raise the same error on every rank if any rank's vector is non-finite."""
-        flag = torch.tensor([bool(torch.isfinite(local).all())], dtype=torch.uint8, device=local.device)
+        self.raise_unless_finite(all_finite(local))
+
+    def raise_unless_finite(self, finite: bool) -> None:
+        """Collective check: raise the same error on every rank, naming the ranks, if any rank's ``finite`` is false."""
+        flag = torch.tensor([finite], dtype=torch.uint8, device=self.root_device)
         flags = self.comm.all_gather(flag, purpose="protocol").view(-1).tolist()
         self.raise_for_ranks([rank for rank, finite in enumerate(flags) if not finite])
 

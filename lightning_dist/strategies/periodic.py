@@ -20,9 +20,10 @@ from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.algorithms.streaming import StreamingPlan
 from lightning_dist.comm import Communicator, new_group
 from lightning_dist.comm.nodes import node_groups
+from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
-from lightning_dist.strategies._streaming import Lanes, StreamingSync
+from lightning_dist.strategies._streaming import StreamingSync
 from lightning_dist.strategies._subset_average import average_subset
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
@@ -78,13 +79,13 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             of moving each bucket's mean (blocking) or fragment's state (streaming) to the host and back per
             synchronization.
 
-            With ``fragments``, ``fragment_sync_delay`` or ``fragment_update_alpha`` away from its default (or
-            ``state_device`` with ``compression``), averaging runs fragment by fragment through
-            :class:`~lightning_dist.strategies._streaming.StreamingSync` (never more than one fragment of extra
-            memory for an exchange); with ``P = 1``, ``tau = 0`` and ``alpha = 0`` it equals the blocking average
-            (and DiLoCo's outer step) bit for bit. Blocking, flat and uncompressed, it averages (and steps DiLoCo)
-            a bucket at a time. Needs ``client_fraction=1`` (a FedAvg round's participants are drawn per round, not
-            per fragment).
+            With ``fragments``, ``fragment_sync_delay`` or ``fragment_update_alpha`` away from its default,
+            averaging runs fragment by fragment through :class:`~lightning_dist.strategies._streaming.StreamingSync`
+            (never more than one fragment of extra memory for an exchange); with ``P = 1``, ``tau = 0`` and
+            ``alpha = 0`` it equals the blocking average (and DiLoCo's outer step) bit for bit. Needs
+            ``client_fraction=1`` (a FedAvg round's participants are drawn per round, not per fragment). A blocking
+            synchronization averages (and steps DiLoCo) a bucket at a time, compressed or not, flat or under a
+            hierarchy (:mod:`~lightning_dist.strategies._bucketed_average`).
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
     """
 
@@ -107,12 +108,10 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         outer_optimizer = check_outer_optimizer(outer_optimizer, client_fraction)
         plan = StreamingPlan(period, fragments, fragment_sync_delay, fragment_update_alpha)
         state_device = check_option("state_device", state_device, ("cpu",), "where the outer optimizer's and compression's state lives")
-        # The fragment engine: for streaming, and for compression's state off the device (its per-fragment
-        # exchanges move one fragment's state at a time); DiLoCo's state alone goes to the host bucket by bucket.
-        streams = plan.streaming or (state_device is not None and kwargs.get("compression") is not None)
+        streams = plan.streaming  # the fragment engine; blocking synchronizations go a bucket at a time
         if streams and client_fraction < 1:
             raise ValueError(
-                f"fragments, fragment_sync_delay, fragment_update_alpha and state_device need client_fraction=1 (got "
+                f"fragments, fragment_sync_delay and fragment_update_alpha need client_fraction=1 (got "
                 f"{client_fraction}): FedAvg draws a round's participants for the whole model"
             )
         if client_fraction < 1 and kwargs.get("compression") is not None:
@@ -127,8 +126,6 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         self.plan = plan
         self.state_device = state_device
         self.streams = streams
-        if streams:  # each fragment keeps its own compressed exchange (StreamingSync), not one for the whole model
-            self._compressed = None
         self._outer: OuterStep | None = None
         self._streaming: StreamingSync | None = None
         self._background: Lanes | None = None
@@ -148,6 +145,14 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 hierarchy = NodeHierarchy(self._hierarchy.layout, Communicator(node_group, "intra_node", counted_by=world),
                                           Communicator(slice_group, "inter_node", counted_by=world))
             self._background = Lanes(world, hierarchy)
+
+    def full_sync_buckets(self) -> list[FragmentExchange] | None:
+        """None when streaming: each fragment keeps its own exchange (:class:`StreamingSync`)."""
+        return None if self.streams else super().full_sync_buckets()
+
+    @property
+    def compression_state_device(self) -> torch.device | None:
+        return None if self.state_device is None else torch.device(self.state_device)
 
     def on_replicas_initialized(self, vector: Tensor) -> None:
         if not self.streams:
@@ -171,12 +176,8 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             return
         learners = self.learners.world_size  # ranks, or nodes under a hierarchy
         participants = sample_participants(learners, self.client_fraction, self._generator)
-        if len(participants) == learners and self._compressed is None and self._hierarchy is None:
-            self.average_in_place("protocol", self._outer)  # a bucket at a time, never a copy of the model
-        elif len(participants) == learners:
-            mean = self.synchronize_all("protocol")
-            self.set_common_model(mean if self._outer is None else self._outer.step(
-                mean.to(self._outer.reference.device)).to(mean.device))
+        if len(participants) == learners:
+            self.synchronize_in_place("protocol", self._outer)  # a bucket at a time, never a copy of the model
         else:
             local = self.model_vector.get()
             self.raise_if_non_finite(local)

@@ -42,9 +42,13 @@ def two_nodes(tmp_path_factory):
             {"name": "gossip", "record_vectors": True,
              "strategy": {"class": "SegmentedGossipStrategy",
                           "kwargs": {"segments": 2, "replicas": 1, "period": PERIOD, "hierarchy": "node"}}},
-            {"name": "periodic_int8", "record_vectors": True,
+            # Blocking synchronizations a bucket of 1000 entries at a time (the model has 8970), each bucket's chunks
+            # between nodes.
+            {"name": "periodic_int8", "record_vectors": True, "bucket": 1000,
              "strategy": {"class": "PeriodicAveragingStrategy",
                           "kwargs": {"period": PERIOD, "compression": "int8", "hierarchy": "node"}}},
+            {"name": "periodic_buckets", "record_vectors": True, "bucket": 1000,
+             "strategy": {"class": "PeriodicAveragingStrategy", "kwargs": {"period": PERIOD, "hierarchy": "node"}}},
             {"name": "downpour_sync", "record_vectors": True,
              "strategy": {"class": "DownpourSGDStrategy",
                           "kwargs": {"push_every": PERIOD, "synchronous": True, "hierarchy": "node"}}},
@@ -257,10 +261,20 @@ def test_a_single_node_trains_as_lightnings_ddp(two_nodes):
     assert hierarchy[0]["comm"].bytes_by_level["inter_node"] == 0
 
 
+def test_synchronizations_in_buckets_between_nodes_are_the_whole_models(two_nodes):
+    """Averaging between nodes a bucket at a time (each rank carrying its chunk of each bucket) gives every rank the
+    models of averaging the model whole, bit for bit (two nodes: each entry's sum is the same two numbers), with the
+    same bytes at each level."""
+    whole, buckets = two_nodes["periodic"], two_nodes["periodic_buckets"]
+    for a, b in zip(whole, buckets):
+        assert torch.equal(a["step_vectors"], b["step_vectors"])
+        assert a["comm"].bytes_by_level == b["comm"].bytes_by_level
+
+
 def test_compressed_synchronizations_between_nodes_agree_with_a_quarter_of_the_bytes(two_nodes):
-    """compression="int8" between nodes: every rank compresses its part's delta from the common model, the slice
-    averages the codes; the nodes agree bit for bit after each synchronization, and between nodes the protocol sends
-    about a quarter of the float32 run's bytes."""
+    """compression="int8" between nodes, in buckets: every rank compresses its chunk of each bucket's delta from the
+    common model, the slice averages the codes; the nodes agree bit for bit after each synchronization, and between
+    nodes the protocol sends about a quarter of the float32 run's bytes."""
     vectors = node_vectors(two_nodes["periodic_int8"])
     for step in range(PERIOD - 1, vectors[0].shape[0], PERIOD):
         assert torch.equal(vectors[0][step], vectors[1][step]), step

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from helpers.launch import load_results, run_ranks
+from lightning_dist.algorithms.compression import compressed_model_mean
+from lightning_dist.algorithms.subset_average import chunk_bounds
 
 LR, MU = 0.7, 0.9
 PERIOD, FRAGMENTS, DELAY, ALPHA = 6, 3, 1, 0.5  # stride 2: starts after steps 1, 3, 5, ...; merges after 2, 4, 6, ...
@@ -31,6 +33,8 @@ CASES = [
     {"name": "blocking_diloco_cpu", "kwargs": {"period": PERIOD, "state_device": "cpu"}, "outer": True,
      "trainer": TRAINER},
     {"name": "engine_diloco_int8", "kwargs": {"period": PERIOD, "state_device": "cpu", "compression": "int8"},
+     "engine": True, "outer": True, "trainer": TRAINER},
+    {"name": "blocking_diloco_int8_cpu", "kwargs": {"period": PERIOD, "state_device": "cpu", "compression": "int8"},
      "outer": True, "trainer": TRAINER},
     {"name": "blocking_diloco_int8", "kwargs": {"period": PERIOD, "compression": "int8"}, "outer": True,
      "trainer": TRAINER},
@@ -39,6 +43,8 @@ CASES = [
     {"name": "memory_blocking", "kwargs": {"period": PERIOD}, "trainer": EXACT, "memory": True, "bucket": 1000},
     {"name": "memory_blocking_diloco", "kwargs": {"period": PERIOD}, "outer": True, "trainer": TRAINER, "memory": True,
      "bucket": 1000},
+    {"name": "memory_blocking_int8", "kwargs": {"period": PERIOD, "compression": "int8"}, "trainer": TRAINER,
+     "memory": True, "bucket": 1000},
     {"name": "memory_stream", "kwargs": {"period": PERIOD, "fragments": FRAGMENTS}, "trainer": TRAINER,
      "memory": True},
     {"name": "memory_stream_diloco", "kwargs": {**STREAM, "fragment_sync_delay": 0}, "outer": True,
@@ -136,10 +142,9 @@ def test_streaming_sends_the_blocking_bytes_plus_one_finiteness_flag_per_exchang
 
 @pytest.mark.parametrize("name", ["avg", "diloco", "diloco_int8"])
 def test_one_fragment_without_delay_is_blocking_synchronization_bit_for_bit(runs, name):
-    """P = 1, tau = 0, alpha = 0 through the fragment engine (forced for plain averaging and DiLoCo; chosen by
-    state_device="cpu" with int8, whose state then lives in host memory) gives what the blocking path gives, at
-    every step, on every rank; so does blocking DiLoCo with state_device="cpu" (its outer state on the host, the
-    buckets' means moved to it)."""
+    """P = 1, tau = 0, alpha = 0 through the fragment engine (forced; with int8 its state in host memory) gives what
+    the blocking path gives, at every step, on every rank; so does blocking DiLoCo with state_device="cpu" (its
+    outer state, and with int8 the compressed state, on the host, each bucket's mean moved to it)."""
     engine, blocking = _ok(runs[f"engine_{name}"]), _ok(runs[f"blocking_{name}"])
     for a, b in zip(engine, blocking):
         assert len(a["records"]) == len(b["records"]) == 30
@@ -148,8 +153,8 @@ def test_one_fragment_without_delay_is_blocking_synchronization_bit_for_bit(runs
         assert torch.equal(a["vector"], b["vector"])
     assert engine[0]["comm"].syncs == blocking[0]["comm"].syncs == 5
     assert ("streaming" in engine[0]["protocol"]) and ("streaming" not in blocking[0]["protocol"])
-    if name == "diloco":
-        for a, b in zip(_ok(runs["blocking_diloco_cpu"]), blocking):
+    if name != "avg":
+        for a, b in zip(_ok(runs[f"blocking_{name}_cpu"]), blocking):
             assert "streaming" not in a["protocol"] and torch.equal(a["vector"], b["vector"])
             assert all(torch.equal(x["after"], y["after"]) for x, y in zip(a["records"], b["records"]))
 
@@ -218,6 +223,34 @@ def test_a_non_finite_replica_or_a_missing_rank_stops_every_rank_by_name_during_
     assert late["error"] is not None and "CollectiveError" in late["error"], late["error"]
 
 
+def test_blocking_int8_in_buckets_is_the_definition_applied_bucket_by_bucket(runs):
+    """Blocking int8 in buckets of 1000 entries: after every synchronization every rank holds, bucket by bucket and
+    bit for bit, compressed_model_mean of the replicas' buckets from the bucket's common model, with the residuals
+    each bucket carried from its last synchronization."""
+    results = _ok(runs["memory_blocking_int8"])
+    numel, parameters = results[0]["start"].numel(), results[0]["num_parameters"]
+    buckets = [(start, min(start + 1000, numel)) for start in range(0, numel, 1000)]
+    carried = {}  # bucket -> (worker residuals, owner residuals)
+    for start, stop in buckets:
+        count = max(0, min(stop, parameters) - start)
+        owners = chunk_bounds(count, list(range(3))).values()
+        carried[start] = ([torch.zeros(count) for _ in range(3)], [torch.zeros(end - begin) for begin, end in owners])
+    common, syncs = results[0]["start"], 0
+    for records in zip(*(result["records"] for result in results)):
+        if records[0]["step"] % PERIOD:
+            continue
+        expected = torch.empty_like(common)
+        for start, stop in buckets:
+            models = [record["before"][start:stop] for record in records]
+            count = max(0, min(stop, parameters) - start)
+            expected[start:stop], *carried[start] = compressed_model_mean(models, common[start:stop], count,
+                                                                          *carried[start], "int8")
+        for record in records:
+            assert torch.equal(record["after"], expected), record["step"]
+        common, syncs = expected, syncs + 1
+    assert syncs == 5 and len(buckets) > 2
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"period": 10, "fragments": 3}, "period (10) must be a multiple of fragments (3)"),
     ({"period": 10, "fragments": 2, "fragment_sync_delay": 5}, "fragment_sync_delay must be an integer in [0, 4]"),
@@ -258,6 +291,13 @@ def test_a_synchronization_allocates_one_bucket_or_one_fragment(runs):
         peaks = [record["peak_bytes"] for record in b["records"] if record["step"] % PERIOD == 0]
         assert len(peaks) == 5 and peaks[0] >= numel * 4, peaks
         assert max(peaks[1:]) <= 4 * 1000 * 4 + flag, peaks
+    # Blocking int8 a bucket at a time: the bucket's copy, its delta (kept as the residual, the last one freed), the
+    # codes and a chunk's encoding temporaries, the new common bucket, after the first synchronization (which makes
+    # the residuals, one float32 model and a third).
+    for result in _ok(runs["memory_blocking_int8"]):
+        peaks = [record["peak_bytes"] for record in result["records"] if record["step"] % PERIOD == 0]
+        assert len(peaks) == 5 and peaks[0] >= numel * 4, peaks
+        assert max(peaks[1:]) <= 5 * 1000 * 4 + flag, peaks
     fragment = -(-numel // FRAGMENTS) * 4  # float32
     for result in _ok(runs["memory_stream"]):
         peaks = [record["peak_bytes"] for record in result["records"] if record["step"] % (PERIOD // FRAGMENTS) == 0]

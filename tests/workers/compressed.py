@@ -4,7 +4,7 @@ For each case of ``spec["cases"]`` (``codec``, ``dim``, ``syncs``, optional ``dt
 builds a ``PeriodicAveragingStrategy(compression=codec)`` on a module with ``dim`` weights and a 3-element float
 buffer, holds the seeded common model, then ``syncs`` times sets its replica to the common model plus its seeded
 delta (row ``rank`` of that synchronization's deltas, of very different sizes per rank) and synchronizes as the
-protocol does (``synchronize_all``, then ``set_common_model``). Per-case results go to rank{r}.pt as a list, for
+protocol does (``synchronize_in_place``). Per-case results go to rank{r}.pt as a list, for
 comparison with ``compressed_mean``. Usage: see tests/helpers/launch.py.
 """
 
@@ -38,6 +38,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     strategy._comm = Communicator(dist.new_group(backend="gloo"))
     strategy._vector = ModelVector(module)
     strategy.parallel_devices = [torch.device("cpu")]
+    strategy._buckets = strategy.full_sync_buckets()
     numel = strategy.model_vector.get().numel()
     start = torch.randn(numel, generator=torch.Generator().manual_seed(99)).to(strategy.model_vector.get().dtype)
     strategy.set_common_model(start)
@@ -49,11 +50,10 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
             if case.get("nan_rank") == rank:
                 local = torch.full_like(local, float("nan"))
             strategy.model_vector.set(local.to(start.dtype))
-            mean = strategy.synchronize_all("protocol")
-            strategy.set_common_model(mean)
-            means.append(mean)
-            residuals.append({key: value.clone() for key, value in strategy._compressed.state_dict().items()
-                              if key != "common"})
+            strategy.synchronize_in_place("protocol")
+            means.append(strategy.model_vector.get())
+            (bucket,) = strategy.compression_state_dict()["buckets"]  # a model under one bucket
+            residuals.append({key: value.clone() for key, value in bucket.items() if key != "common"})
     except Exception as exc:  # reported to the test, which asserts on it
         error = f"{type(exc).__name__}: {exc}"
     return {"error": error, "start": start, "deltas": deltas, "means": means, "residuals": residuals,
