@@ -12,7 +12,7 @@ Rows (:data:`ROWS`): Lightning's DDP (the baseline), periodic averaging, DiLoCo,
 ``compression="int8"``, dynamic averaging (a threshold so small that every check is a full synchronization), and,
 where ``PeriodicAveragingStrategy`` takes them (read from its signature before anything runs; a row whose argument
 does not exist is reported as missing), streaming synchronization (``fragments=4, fragment_sync_delay=1``) of
-periodic averaging and of DiLoCo, and ``state_device="cpu"`` with and without streaming.
+periodic averaging and of DiLoCo, and ``state_device="cpu"`` with and without streaming, and with int8.
 
 Usage::
 
@@ -84,6 +84,8 @@ ROWS = (
         8),
     Row("diloco_cpu", "DiLoCo, period 4, state_device cpu", _periodic(4, outer=True, state_device="cpu"),
         ("state_device",)),
+    Row("diloco_int8_cpu", "DiLoCo, period 4, compression int8, state_device cpu",
+        _periodic(4, outer=True, compression="int8", state_device="cpu"), ("state_device",)),
 )
 
 

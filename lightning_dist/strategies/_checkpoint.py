@@ -131,7 +131,7 @@ class ReplicaCheckpoints:
         written_by, in_place = state["world_size"], self._resumes_in_place(state)
         replica = self._followed_replica(state)
         # The checkpoint's state_dict, the same on every rank: what compressed exchanges restart from in a new layout.
-        consensus = self.model_vector.get() if self._sync_codec is not None and self._buckets is not None else None
+        consensus = self.model_vector.get() if self.compression is not None else None
         # Global counters first: a strategy whose counts are per rank (DownpourSGD's pushes) sets its own below.
         self._local_steps = state["local_steps"]
         self._syncs = state["syncs"]

@@ -121,6 +121,19 @@ class NodeHierarchy:
         gathered = self.node.all_gather(torch.nn.functional.pad(part, (0, width - part.numel())), purpose)
         return torch.cat([gathered[index, : end - begin] for index, (begin, end) in enumerate(bounds)])
 
+    def gather_pieces(self, piece: Tensor, offset: int, length: int, numel: int,
+                      purpose: str) -> list[tuple[int, Tensor]]:
+        """Every node rank's ``piece`` of a vector of ``numel`` elements: entries ``[offset, offset + length)`` of its
+        own chunk, cut short where the chunk ends (``piece`` is this rank's); an all-gather inside the node, padded
+        to the longest piece. Returns ``(position in the vector, values)`` per rank, so a vector can be rebuilt a
+        range at a time without the node's whole model (:meth:`whole`)."""
+        bounds = self.bounds(numel)
+        lengths = [max(0, min(offset + length, end - begin) - offset) for begin, end in bounds]
+        width = max(lengths)
+        gathered = self.node.all_gather(torch.nn.functional.pad(piece, (0, width - piece.numel())), purpose)
+        return [(begin + offset, gathered[index, :size])
+                for index, ((begin, _), size) in enumerate(zip(bounds, lengths)) if size]
+
     def node_sum(self, value: float, device: torch.device, purpose: str) -> float:
         """``value`` summed over this node's ranks (each holds its part's share of a node-wide quantity)."""
         total = self.node.all_reduce_sum_(torch.tensor([value], dtype=torch.float64, device=device), purpose)

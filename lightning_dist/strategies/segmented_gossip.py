@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_dist.algorithms import averaging
 from lightning_dist.algorithms.segmented_gossip import (
     aggregate,
     check_gossip_arguments,
@@ -171,33 +172,31 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
 
     def gossip_round(self) -> None:
         """One round on every rank: draw the plan, move the segments, aggregate (paper 002, section 4.1). Under a
-        hierarchy the learners are nodes and every rank gossips its part of its node's model with its slice group."""
+        hierarchy the learners are nodes and every rank gossips its part of its node's model with its slice group.
+
+        The round runs a range of ``AVERAGE_BUCKET`` entries of the part at a time (:meth:`_gossip_range`), so its
+        temporaries are a range's, never a model's; a part under one bucket is one range, one message per link.
+        Aggregation is entry by entry, so the ranges change no value."""
         learners = self.learners
         rank, world_size = learners.rank, learners.world_size
-        whole = self.model_vector.get()
-        self.raise_if_non_finite(whole)
-        local = self.learner_part(whole)
+        self.raise_unless_finite(self.model_vector.all_finite())
         plan = pull_plan(world_size, self.segments, self.replicas, self._generator)
+        numel, width, hierarchy = self.model_vector.numel, self.learner_numel(), self._hierarchy
+        offset = 0 if hierarchy is None else hierarchy.own_bounds(numel)[0]
+        # The same ranges on every rank of a node (the widest part's), for the node's gathers to pair up.
+        widest = width if hierarchy is None else max(stop - begin for begin, stop in hierarchy.bounds(numel))
+        bucket = averaging.AVERAGE_BUCKET
+        for begin in range(0, widest, bucket):
+            stop = min(begin + bucket, width)
+            aggregated = self._gossip_range(plan, offset, min(begin, stop), stop)
+            if hierarchy is None:
+                self.model_vector.set_range(offset + begin, aggregated)
+                continue
+            for position, values in hierarchy.gather_pieces(aggregated, begin, bucket, numel, "protocol"):
+                self.model_vector.set_range(position, values)
+
         links = transfers(plan)
-        sends = [
-            (pack_segments(local, self._bounds, segments), puller)
-            for (provider, puller), segments in links.items()
-            if provider == rank
-        ]
         pulls = {provider: segments for (provider, puller), segments in links.items() if puller == rank}
-        buffers = {
-            provider: local.new_empty(sum(self._bounds[s][1] - self._bounds[s][0] for s in segments))
-            for provider, segments in pulls.items()
-        }
-        learners.exchange(sends, [(buffer, provider) for provider, buffer in buffers.items()], purpose="protocol")
-
-        providers = plan[rank]
-        mixed = mixed_from_pulls(
-            local, providers, self._bounds, {provider: (pulls[provider], buffers[provider]) for provider in pulls}
-        )
-        aggregated = aggregate(local, mixed, providers, self._bounds, self.dataset_sizes, rank)
-        self.model_vector.set(self.learner_whole(aggregated, "protocol"))
-
         self._rounds += 1
         self._syncs += 1
         # With R = m - 1 every segment is aggregated over all ranks in rank order: identical replicas.
@@ -211,6 +210,29 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         self._links = len(peers[rank])
         self._links_min = min(len(p) for p in peers)
         self._links_max = max(len(p) for p in peers)
+
+    def _gossip_range(self, plan: Tensor, offset: int, begin: int, stop: int) -> Tensor:
+        """Entries ``[begin, stop)`` of this rank's part (at ``offset`` in the model vector) after the round: each
+        segment's piece in the range pulled from the segment's providers (one message per link) and aggregated."""
+        rank = self.learners.rank
+        pieces = [(segment, max(start, begin) - begin, min(end, stop) - begin)
+                  for segment, (start, end) in enumerate(self._bounds) if start < stop and end > begin]
+        if not pieces:
+            return self.model_vector.get_range(0, 0)
+        bounds = [(start, end) for _, start, end in pieces]
+        range_plan = plan[:, [segment for segment, _, _ in pieces]]  # the pieces' providers, as their segments'
+        links = transfers(range_plan)
+        local = self.model_vector.get_range(offset + begin, offset + stop)
+        sends = [(pack_segments(local, bounds, segments), puller)
+                 for (provider, puller), segments in links.items() if provider == rank]
+        pulls = {provider: segments for (provider, puller), segments in links.items() if puller == rank}
+        buffers = {provider: local.new_empty(sum(bounds[piece][1] - bounds[piece][0] for piece in segments))
+                   for provider, segments in pulls.items()}
+        self.learners.exchange(sends, [(buffer, provider) for provider, buffer in buffers.items()], purpose="protocol")
+        providers = range_plan[rank]
+        mixed = mixed_from_pulls(local, providers, bounds,
+                                 {provider: (pulls[provider], buffers[provider]) for provider in pulls})
+        return aggregate(local, mixed, providers, bounds, self.dataset_sizes, rank)
 
     def consensus(self, purpose: str) -> Tensor:
         """The dataset-size-weighted mean of all learners' models, ``sum_j |D_j| W_j / sum_j |D_j|`` (an all-reduce).

@@ -39,7 +39,7 @@ def two_nodes(tmp_path_factory):
             {"name": "dynamic", "record_vectors": True,
              "strategy": {"class": "DynamicAveragingStrategy",
                           "kwargs": {"divergence_threshold": 0.05, "check_every": PERIOD, "hierarchy": "node"}}},
-            {"name": "gossip", "record_vectors": True,
+            {"name": "gossip", "record_vectors": True, "bucket": 1000,  # a round in ranges of 1000 entries
              "strategy": {"class": "SegmentedGossipStrategy",
                           "kwargs": {"segments": 2, "replicas": 1, "period": PERIOD, "hierarchy": "node"}}},
             # Blocking synchronizations a bucket of 1000 entries at a time (the model has 8970), each bucket's chunks
@@ -232,7 +232,8 @@ def test_segmented_gossip_between_nodes_pulls_each_part_from_the_other_node(two_
     """Gossip with the nodes as peers, R = N - 1 = 1: every round each rank pulls both segments of its part from its
     peer in the other node and aggregates them weighted by the nodes' data (the sum of their ranks' parts), so all
     four ranks agree after every round; a node's two ranks always do. Per round each rank sends its whole part
-    (its S segments) to the other node, and the node all-gathers the aggregated parts."""
+    (its S segments) to the other node, and the node all-gathers the aggregated parts: all of it in ranges of 1000
+    entries (each range's pieces of the segments, then the node's gather of the range)."""
     results = two_nodes["gossip"]
     vectors = node_vectors(results)
     for step in range(vectors[0].shape[0]):

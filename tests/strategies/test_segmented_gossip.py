@@ -27,6 +27,8 @@ CASES = {
     "gossip": {"segments": 1, "replicas": 2, "seed": 0, "dim": DIM, "sizes": [1, 2, 3, 4]},
     "all_peers": {"segments": 3, "replicas": WORLD - 1, "seed": 1, "dim": DIM, "sizes": [5, 1, 2, 7]},
     "segmented": {"segments": 5, "replicas": 2, "seed": 2, "dim": DIM, "sizes": [3, 3, 1, 2]},
+    # The same round in ranges of 7 entries (3 ranges of the 20, cutting segments 1 and 3 of 4 entries each).
+    "segmented_ranges": {"segments": 5, "replicas": 2, "seed": 2, "dim": DIM, "sizes": [3, 3, 1, 2], "bucket": 7},
     "too_many_segments": {"segments": N + 1, "replicas": 1, "seed": 0, "dim": DIM, "sizes": [1, 1, 1, 1]},
     "non_finite": {"segments": 2, "replicas": 1, "seed": 3, "dim": DIM, "sizes": [1, 1, 1, 1], "nan_rank": 2},
     # The consensus of bfloat16 replicas, unequal and identical, weighted by unequal part sizes.
@@ -120,6 +122,22 @@ def test_segmented_round_bytes_and_links(rounds):
         assert metrics["segmented_gossip/links_max"] == max(map(len, peers))
         # Dataset-size all-gather, finiteness flag, then one message per puller served.
         assert result["stats"].messages == 2 * (WORLD - 1) + sum(1 for p, _ in links if p == rank)
+
+
+def test_a_round_in_ranges_is_the_round_with_one_message_per_link_and_range(rounds):
+    """A round run a range of 7 entries at a time (a large model's is AVERAGE_BUCKET's) moves the same bytes and
+    gives the one-process round bit for bit: each link sends, per range, the pieces of its segments in it."""
+    case, results = CASES["segmented_ranges"], rounds["segmented_ranges"]
+    _check_round(results, case)
+    for ranged, whole in zip(results, rounds["segmented"]):
+        assert torch.equal(ranged["vector"], whole["vector"])
+    bounds = segment_bounds(N, case["segments"])
+    for rank, result in enumerate(results):
+        messages = 0
+        for begin in range(0, N, 7):
+            pieces = [segment for segment, (start, stop) in enumerate(bounds) if start < begin + 7 and stop > begin]
+            messages += sum(1 for provider, _ in transfers(_plan(case)[:, pieces]) if provider == rank)
+        assert result["stats"].messages == 2 * (WORLD - 1) + messages
 
 
 def test_more_segments_than_model_elements_is_refused_at_setup(rounds):

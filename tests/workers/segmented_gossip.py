@@ -5,7 +5,8 @@ For each case of ``spec["cases"]`` (keys ``segments``, ``replicas``, ``seed``, `
 ``dim`` weights and a 3-element float buffer, sets its replica to row ``rank`` of seeded random
 models, shares its dataset size, previews the plan and runs one round exactly as after an optimizer step in
 training. With ``consensus`` it takes the consensus (the weighted mean every rank evaluates and checkpoints)
-instead of the round; ``dtype`` (default float32) is the module's, ``identical`` gives every rank row 0. Per-case results go to rank{r}.pt as a list, for comparison with the one-process
+instead of the round; ``dtype`` (default float32) is the module's, ``identical`` gives every rank row 0, ``bucket``
+the entries of the ranges a round runs in (``AVERAGE_BUCKET``). Per-case results go to rank{r}.pt as a list, for comparison with the one-process
 definition. Usage: see tests/helpers/launch.py.
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dist.algorithms import averaging
 from lightning_dist.comm import Communicator
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies import SegmentedGossipStrategy
@@ -24,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 from helpers.cases import run_cases  # noqa: E402
 
 BUFFER_SIZE = 3
+DEFAULT_BUCKET = averaging.AVERAGE_BUCKET
 
 
 def run_case(case: dict, rank: int, world_size: int) -> dict:
+    averaging.AVERAGE_BUCKET = case.get("bucket", DEFAULT_BUCKET)
     strategy = SegmentedGossipStrategy(segments=case["segments"], replicas=case["replicas"], period=1, seed=case["seed"])
     module = nn.Linear(case["dim"], 1, bias=False)
     module.register_buffer("statistic", torch.zeros(BUFFER_SIZE))
