@@ -75,8 +75,9 @@ def encode(vector: Tensor, codec: str) -> Encoded:
     if codec == "bf16":
         return Encoded(vector.to(torch.bfloat16), vector.new_empty(0, dtype=torch.float32))
     values = vector.to(torch.float32)
-    padded = values.new_zeros(num_blocks(values.numel()) * INT8_BLOCK)  # a new tensor: the codes are formed in it
+    padded = values.new_empty(num_blocks(values.numel()) * INT8_BLOCK)  # a new tensor: the codes are formed in it
     padded[: values.numel()] = values
+    padded[values.numel():] = 0
     blocks = padded.view(-1, INT8_BLOCK)
     # max |x| per block without a temporary |x| of the vector's size (abs_ turns a -0.0 of a zero block into 0.0)
     scales = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg()).abs_() / INT8_LEVELS
