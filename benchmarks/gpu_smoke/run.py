@@ -4,7 +4,8 @@ Cells: subject x precision x layout.
 
 - subjects: the strategies ``dynamic_avg``, ``periodic_avg``, ``streaming_diloco`` (Streaming DiLoCo, int8, an
   exchange every step), ``streaming_cpu_state`` (exchanges in flight for a step on a CUDA side stream, the outer
-  state and int8's residuals in host memory), ``fedavg``, ``downpour_sgd``,
+  state and int8's residuals in host memory), ``blocking_cpu_state`` (blocking DiLoCo with int8 a bucket at a time,
+  both states in host memory), ``fedavg``, ``downpour_sgd``,
   ``segmented_gossip`` (with periods of 1-2 steps, so that every protocol exchanges models), and the
   ``datagossip`` and ``cdgrab`` callbacks on ``strategy="ddp"``;
 - precisions: ``32-true``, ``bf16-mixed``, ``bf16-true``;
@@ -48,7 +49,8 @@ from benchmarks.common.launch import RunFailed, launch
 from benchmarks.common.paths import RESULTS
 from benchmarks.common.report import write_json
 
-SUBJECTS = ("dynamic_avg", "periodic_avg", "streaming_diloco", "streaming_cpu_state", "fedavg", "downpour_sgd", "segmented_gossip", "datagossip", "cdgrab")
+SUBJECTS = ("dynamic_avg", "periodic_avg", "streaming_diloco", "streaming_cpu_state", "blocking_cpu_state", "fedavg",
+            "downpour_sgd", "segmented_gossip", "datagossip", "cdgrab")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 GPU_LAYOUTS = ("gloo_shared_gpu", "nccl")
 NO_CUDA = 3

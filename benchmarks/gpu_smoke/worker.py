@@ -63,12 +63,16 @@ def make_strategy(subject: str, layout: str, world_size: int) -> Any:
                              "outer_optimizer": diloco_outer_optimizer, "compression": "int8"},
         "streaming_cpu_state": {"period": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5,
                                 "outer_optimizer": diloco_outer_optimizer, "state_device": "cpu", "compression": "int8"},
+        # blocking DiLoCo with int8 a bucket at a time, the outer state and each bucket's int8 state in host memory
+        "blocking_cpu_state": {"period": 2, "outer_optimizer": diloco_outer_optimizer, "state_device": "cpu",
+                               "compression": "int8"},
         "fedavg": {"period": 1, "client_fraction": 0.5},
         "downpour_sgd": {"push_every": 1},
         "segmented_gossip": {"segments": 2, "replicas": min(2, world_size - 1), "period": 1},
     }[subject]
     cls = {"dynamic_avg": "DynamicAveragingStrategy", "periodic_avg": "PeriodicAveragingStrategy",
            "streaming_diloco": "PeriodicAveragingStrategy", "streaming_cpu_state": "PeriodicAveragingStrategy",
+           "blocking_cpu_state": "PeriodicAveragingStrategy",
            "fedavg": "PeriodicAveragingStrategy", "downpour_sgd": "DownpourSGDStrategy",
            "segmented_gossip": "SegmentedGossipStrategy"}[subject]
     return getattr(lightning_dist, cls)(**kwargs, **backend)
