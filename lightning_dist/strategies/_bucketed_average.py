@@ -10,7 +10,9 @@ DiLoCo's outer step (:meth:`~lightning_dist.algorithms.outer.OuterStep.step_rang
   bucket's copy overlapping it;
 - compressed or under a hierarchy (:func:`synchronize_buckets`): each bucket exchanged in turn by its
   :class:`~lightning_dist.strategies._fragment_exchange.FragmentExchange` (its chunks between nodes, its own
-  compressed state: the codec's definition applied bucket by bucket).
+  compressed state: the codec's definition applied bucket by bucket);
+- a subset of the learners, FedAvg's round (:func:`average_subset_in_place`): each bucket's reduce into the
+  members' chunks and all-gather in turn.
 
 A model under one bucket is synchronized by one exchange of the same bytes, so the arithmetic and the bytes counted
 are those of the whole-vector synchronization, bit for bit.
@@ -18,7 +20,7 @@ are those of the whole-vector synchronization, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -100,3 +102,13 @@ def synchronize_buckets(vector: ModelVector, buckets: list[FragmentExchange], la
         synchronized = mean if combine is None else combine(bucket.start, mean)
         vector.set_range(bucket.start, synchronized)
         bucket.hold(synchronized)
+
+
+def average_subset_in_place(vector: ModelVector, buckets: list[FragmentExchange], lanes: Lanes, members: Sequence[int],
+                            purpose: str) -> None:
+    """Set the ``members`` learners' replicas to their mean, one of ``buckets`` at a time; the others' stay. The mean
+    is formed entry by entry, so the buckets change no value (the caller has checked every replica is finite)."""
+    for bucket in buckets:
+        mean = bucket.subset_mean(lanes, vector.get_range(bucket.start, bucket.stop), members, purpose)
+        if mean is not None:
+            vector.set_range(bucket.start, mean)

@@ -18,6 +18,7 @@ device during one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.comm import Communicator
 from lightning_dist.strategies._compressed_average import CompressedAverage
 from lightning_dist.strategies._hierarchy import NodeHierarchy
+from lightning_dist.strategies._subset_average import average_subset
 
 
 @dataclass
@@ -101,6 +103,15 @@ class FragmentExchange:
             total = learners.all_reduce_sum_(part.to(accumulation_dtype(part.dtype)), purpose)
             mean_part = total.div_(learners.world_size).to(part.dtype)
         return mean_part if lanes.hierarchy is None else lanes.hierarchy.whole(mean_part, fragment.numel(), purpose)
+
+    def subset_mean(self, lanes: Lanes, fragment: Tensor, members: Sequence[int], purpose: str) -> Tensor | None:
+        """The mean of the ``members`` learners' ``fragment`` on their ranks, None on the others (every rank calls it
+        with the same members): :func:`~lightning_dist.strategies._subset_average.average_subset` of the parts,
+        gathered in the node under a hierarchy (a node's ranks are members together)."""
+        mean = average_subset(lanes.learners, self.part(fragment), members, purpose)
+        if mean is None or lanes.hierarchy is None:
+            return mean
+        return lanes.hierarchy.whole(mean, fragment.numel(), purpose)
 
     def hold(self, synchronized: Tensor, copy: bool = False) -> None:
         """Every replica's range now derives from ``synchronized`` (the range's new common model): the next

@@ -20,11 +20,11 @@ from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.algorithms.streaming import StreamingPlan
 from lightning_dist.comm import Communicator, new_group
 from lightning_dist.comm.nodes import node_groups
-from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes
+from lightning_dist.strategies._bucketed_average import average_subset_in_place, bucket_bounds
+from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes, exchanges
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
 from lightning_dist.strategies._streaming import StreamingSync
-from lightning_dist.strategies._subset_average import average_subset
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
 
@@ -178,12 +178,12 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         participants = sample_participants(learners, self.client_fraction, self._generator)
         if len(participants) == learners:
             self.synchronize_in_place("protocol", self._outer)  # a bucket at a time, never a copy of the model
-        else:
-            local = self.model_vector.get()
-            self.raise_if_non_finite(local)
-            mean = average_subset(self.learners, self.learner_part(local), participants, "protocol")
-            if mean is not None:  # a participant (under a hierarchy, every rank of a participating node)
-                self.model_vector.set(self.learner_whole(mean, "protocol"))
+        else:  # FedAvg's round: the participants (under a hierarchy, their nodes' ranks) a bucket at a time
+            self.raise_unless_finite(self.model_vector.all_finite())
+            vector = self.model_vector
+            buckets = exchanges(bucket_bounds(vector.numel), vector.num_parameters, self._hierarchy, None,
+                                self.root_device, None)
+            average_subset_in_place(vector, buckets, Lanes(self.comm, self._hierarchy), participants, "protocol")
         self._syncs += 1
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -18,7 +18,7 @@ NODES, RANKS_PER_NODE, PERIOD = 2, 2, 4
 def three_nodes(tmp_path_factory):
     """3 nodes x 2 ranks: FedAvg's subsets of nodes and dynamic averaging's partial sets need more than 2 learners."""
     out = tmp_path_factory.mktemp("three_nodes")
-    runs = [{"name": "fedavg", "record_vectors": True,
+    runs = [{"name": "fedavg", "record_vectors": True, "bucket": 1000,  # rounds a bucket of 1000 entries at a time
              "strategy": {"class": "PeriodicAveragingStrategy",
                           "kwargs": {"period": PERIOD, "client_fraction": 0.6, "seed": 3, "hierarchy": "node"}}},
             # Checks every 2 steps with a threshold that gave 7 full and 3 partial synchronizations in 24 steps.

@@ -63,14 +63,22 @@ def test_identical_start_and_string_registration(tmp_path):
 
 
 def test_fedavg_three_ranks(tmp_path):
-    results = _fit(tmp_path, "fedavg", 3, {"class": "PeriodicAveragingStrategy",
-                                            "kwargs": {"period": 3, "client_fraction": 0.5, "seed": 1}},
-                   trainer={"max_steps": 12})
-    # round(0.5 * 3) = 2 participants per round: one model in, the mean out, plus 1-byte finite flags.
+    """round(0.5 * 3) = 2 participants per round: one model in, the mean out, plus 1-byte finite flags; the same
+    rounds a bucket of 1000 entries at a time (the model has 8970) give the same models and bytes."""
+    strategy = {"class": "PeriodicAveragingStrategy", "kwargs": {"period": 3, "client_fraction": 0.5, "seed": 1}}
+    runs = [{"name": "fedavg"}, {"name": "fedavg_buckets", "bucket": 1000}]
+    run_ranks(3, "fit", {"strategy": strategy, "trainer": {"max_steps": 12}, "record_vectors": True, "runs": runs},
+              tmp_path)
+    results, buckets = (load_results(tmp_path / run["name"], 3) for run in runs)
+    for result in results + buckets:
+        assert result["error"] is None, result["error"]
     model_bytes = _model_size(results[0])
     rounds = 12 // 3
     assert results[0]["comm"].protocol_bytes == rounds * (2 * model_bytes + 3 * 2)
     assert all(torch.equal(results[0]["vector"], other["vector"]) for other in results[1:])
+    for whole, bucketed in zip(results, buckets):
+        assert torch.equal(whole["step_vectors"], bucketed["step_vectors"])
+        assert whole["comm"].protocol_bytes == bucketed["comm"].protocol_bytes
 
 
 def test_no_silent_hang_a_failed_check_or_a_missing_rank_stops_every_rank_by_name(tmp_path):
