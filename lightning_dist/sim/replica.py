@@ -26,7 +26,7 @@ from torchmetrics import Metric
 
 from lightning_dist.data.sampler import part_size
 from lightning_dist.model_vector import ModelVector
-from lightning_dist.strategies.local_update import NonFiniteModelError
+from lightning_dist.strategies._averaging import NonFiniteModelError
 
 
 def check_finite(vector: Tensor, worker: int) -> None:
