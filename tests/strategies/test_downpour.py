@@ -40,21 +40,51 @@ def _fit(tmp_path, name, nprocs=3, check_errors=True, **spec):
     return results
 
 
-@pytest.fixture(scope="module")
-def synchronous_run(tmp_path_factory):
-    """One synchronous fit straight through, shared by the round test and the resume test."""
-    return _fit(tmp_path_factory.mktemp("synchronous"), "straight", **SYNC)
+def _fits(root, runs, timeout=300):
+    """Several 3-rank fits in one launch (``runs``: each a spec's overrides with a ``name``): results per name."""
+    run_ranks(3, "downpour", {"data": DATA, "runs": runs}, root, timeout=timeout)
+    results = {run["name"]: load_results(root / run["name"], 3) for run in runs}
+    for name, ranks in results.items():
+        for result in ranks:
+            assert result["error"] is None, f"{name}: {result['error']}"
+    return results
+
+
+INT8_SYNC = {**SYNC, "strategy": {**SYNC["strategy"], "compression": "int8"}}
 
 
 @pytest.fixture(scope="module")
-def compressed_synchronous(tmp_path_factory):
-    """Synchronous rounds with int8 pushes and replies: straight through (writing a checkpoint every epoch, which
-    changes nothing in the run), and resumed from the epoch-1 checkpoint."""
-    root = tmp_path_factory.mktemp("compressed_synchronous")
-    spec = {**SYNC, "strategy": {**SYNC["strategy"], "compression": "int8"}}
-    straight = _fit(root, "straight", checkpoint_dir=str(root / "ckpt"), **spec)
-    checkpoint = sorted((root / "ckpt").glob("epoch=1-*.ckpt"))[0]
-    return straight, checkpoint, _fit(root, "resumed", ckpt_path=str(checkpoint), **spec)
+def synchronous_runs(tmp_path_factory):
+    """Synchronous rounds in float32 and with int8 pushes and replies, straight through (writing a checkpoint every
+    epoch), then both resumed from their epoch-1 checkpoints: two launches."""
+    root = tmp_path_factory.mktemp("synchronous")
+    straight = _fits(root / "straight", [{"name": "float32", **SYNC, "checkpoint_dir": str(root / "ckpt32")},
+                                         {"name": "int8", **INT8_SYNC, "checkpoint_dir": str(root / "ckpt8")}])
+    checkpoints = {name: sorted((root / f"ckpt{bits}").glob("epoch=1-*.ckpt"))[0]
+                   for name, bits in (("float32", "32"), ("int8", "8"))}
+    resumed = _fits(root / "resumed", [{"name": "float32", **SYNC, "ckpt_path": str(checkpoints["float32"])},
+                                       {"name": "int8", **INT8_SYNC, "ckpt_path": str(checkpoints["int8"])}])
+    return straight, checkpoints, resumed
+
+
+@pytest.fixture(scope="module")
+def synchronous_run(synchronous_runs):
+    """The float32 synchronous fit straight through."""
+    return synchronous_runs[0]["float32"]
+
+
+@pytest.fixture(scope="module")
+def asynchronous_runs(tmp_path_factory):
+    """Asynchronous fits in one launch: float32 and int8 pushes added in full, and a staleness bound of 0 with and
+    without int8 (rank 2 slower)."""
+    stale = {"slow": {"rank": 2, "seconds": 0.02}, "trainer": {"max_epochs": 1, "limit_val_batches": 0}}
+    return _fits(tmp_path_factory.mktemp("asynchronous"), [
+        {"name": "invariant", "strategy": {"push_every": 3}, "trainer": {"max_epochs": 2, "limit_val_batches": 0}},
+        {"name": "int8", "strategy": {"push_every": 3, "compression": "int8", "staleness_aware": False},
+         "trainer": {"max_epochs": 2, "limit_val_batches": 0}},
+        {"name": "stale_None", "strategy": {"push_every": 2, "max_staleness": 0}, **stale},
+        {"name": "stale_int8", "strategy": {"push_every": 2, "max_staleness": 0, "compression": "int8"}, **stale},
+    ])
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +113,8 @@ def test_slow_rank_slows_the_others_only_when_synchronous(tmp_path, synchronous)
     assert all(torch.equal(results[0]["vector"], other["vector"]) for other in results[1:])
 
 
-def test_server_holds_start_plus_every_accepted_update_and_bytes_are_exact(tmp_path):
-    results = _fit(tmp_path, "invariant", strategy={"push_every": 3},
-                   trainer={"max_epochs": 2, "limit_val_batches": 0})
+def test_server_holds_start_plus_every_accepted_update_and_bytes_are_exact(asynchronous_runs):
+    results = asynchronous_runs["invariant"]
     start = results[0]["start_vector"].double()
     assert all(torch.equal(results[0]["start_vector"], other["start_vector"]) for other in results[1:])
     total = start + sum(result["accepted_sum"] for result in results)
@@ -107,13 +136,12 @@ def test_server_holds_start_plus_every_accepted_update_and_bytes_are_exact(tmp_p
     assert results[0]["comm"].syncs == sum(pushes)
 
 
-def test_compressed_pushes_keep_the_server_invariant_up_to_the_residuals_with_exact_bytes(tmp_path):
+def test_compressed_pushes_keep_the_server_invariant_up_to_the_residuals_with_exact_bytes(asynchronous_runs):
     """int8 pushes with error feedback, updates added in full: the server holds the start plus every rank's true
     updates minus what ranks 1 and 2 still hold as residuals (rank 0 pushes exactly, without bytes), the sum
     EF-SGD telescopes to; the ranks end on the server's model; every remote push sends the int8 update and
     receives the int8 change of the model (a quarter of float32's bytes and a scale per 1024 elements)."""
-    results = _fit(tmp_path, "int8", strategy={"push_every": 3, "compression": "int8", "staleness_aware": False},
-                   trainer={"max_epochs": 2, "limit_val_batches": 0})
+    results = asynchronous_runs["int8"]
     start = results[0]["start_vector"].double()
     residuals = [result["push_residual"].double() for result in results[1:]]
     assert all(residual.abs().max() > 1e-6 for residual in residuals)
@@ -132,10 +160,10 @@ def test_compressed_pushes_keep_the_server_invariant_up_to_the_residuals_with_ex
     assert message_bytes < 0.26 * 2 * 4 * numel
 
 
-def test_compressed_synchronous_resume_is_bit_exact(compressed_synchronous, synchronous_run):
+def test_compressed_synchronous_resume_is_bit_exact(synchronous_runs, synchronous_run):
     """The workers' residuals and mirrors and the server's mirrors are in the checkpoint: stopped after epoch 1
     (mid-round) and resumed, the run ends where the uninterrupted one does, bit for bit, with the same bytes."""
-    straight, checkpoint, resumed = compressed_synchronous
+    straight, checkpoint, resumed = (runs["int8"] for runs in synchronous_runs)
     stored = torch.load(checkpoint, weights_only=False)["lightning_dist"]
     assert stored["protocol"]["server"]["replies"]["mirrors"].shape[0] == 3
     assert stored["replicas"][1]["compression"]["residual"].abs().max() > 0
@@ -150,12 +178,11 @@ def test_compressed_synchronous_resume_is_bit_exact(compressed_synchronous, sync
 
 
 @pytest.mark.parametrize("compression", [None, "int8"])
-def test_max_staleness_zero_drops_stale_updates(tmp_path, compression):
+def test_max_staleness_zero_drops_stale_updates(asynchronous_runs, compression):
     """With a bound of 0 a worker may only push onto the version it pulled; others re-pull first. The server holds
     the start plus every accepted update; with int8 pushes minus what ranks 1 and 2 still hold as residuals: a
     refused push leaves the residual owed from the accepted ones (issue 40: it was overwritten before the answer)."""
-    results = _fit(tmp_path, "stale", strategy={"push_every": 2, "max_staleness": 0, "compression": compression},
-                   slow={"rank": 2, "seconds": 0.02}, trainer={"max_epochs": 1, "limit_val_batches": 0})
+    results = asynchronous_runs[f"stale_{compression}"]
     server = results[0]["server"]
     assert server["rejected"] > 0 and server["staleness_max"] == 0
     assert server["version"] + server["rejected"] == sum(result["pushes"] for result in results)
@@ -206,15 +233,11 @@ def test_synchronous_rounds_apply_the_mean_as_one_version_and_match_the_simulato
     assert torch.allclose(protocol.store.vector, results[0]["vector"], rtol=0, atol=1e-5)
 
 
-def test_synchronous_resume_is_bit_exact(tmp_path, synchronous_run):
+def test_synchronous_resume_is_bit_exact(synchronous_runs):
     """Stop after epoch 1 (steps 20, push_every 3: mid-round), resume to epoch 3: same model as straight through."""
-    straight = synchronous_run
-    first = _fit(tmp_path, "first", checkpoint_dir=str(tmp_path / "ckpt"), **SYNC)
-    checkpoint = sorted((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))[0]
+    straight, checkpoint, resumed = (runs["float32"] for runs in synchronous_runs)
     stored = torch.load(checkpoint, weights_only=False)
     assert stored["lightning_dist"]["protocol"]["server"]["version"] > 0
-    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **SYNC)
-    assert torch.equal(first[0]["vector"], straight[0]["vector"])
     for a, b in zip(straight, resumed):
         assert torch.equal(a["vector"], b["vector"])
         assert a["pushes"] == b["pushes"]

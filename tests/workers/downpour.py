@@ -4,7 +4,8 @@ Spec keys: ``strategy`` kwargs, ``data``, ``trainer`` (extra Trainer arguments),
 ``slow`` (``{"rank": r, "seconds": s}``: sleep before every batch of that rank), ``raise_at``
 (``{"rank": r, "step": s}``), ``nan`` (``{"rank": r, "step": s}``), ``checkpoint_dir``,
 ``ckpt_path``, ``batchnorm`` (``{"lr": a}``: train :class:`BatchNormClassifier` with Adam instead
-of the plain MLP). Usage: see tests/helpers/launch.py.
+of the plain MLP); ``runs``: a list of such specs' overrides, each with a ``name``, fitted in turn in one launch
+(results under ``out/<name>``). Usage: see tests/helpers/launch.py.
 """
 
 import json
@@ -101,6 +102,15 @@ class Fail(Callback):
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if "runs" not in spec:
+        fit(spec)
+    for overrides in spec.get("runs", []):  # several fits in one launch, each into out/<name>
+        out = Path(spec["out"]) / overrides["name"]
+        out.mkdir(exist_ok=True)
+        fit({**spec, **overrides, "out": str(out)})
+
+
+def fit(spec: dict) -> None:
     out = Path(spec["out"])
     L.seed_everything(spec.get("seed", 0), workers=True)
     strategy = RecordingDownpour(**spec.get("strategy", {}))
