@@ -99,3 +99,25 @@ class ModelVector:
         """Views of a parameter vector (``parameters_of``'s result, or a reference model) shaped like :attr:`parameters`."""
         sizes = self._sizes[: len(self.parameters)]
         return [chunk.view_as(parameter) for chunk, parameter in zip(vector[: self.num_parameters].split(sizes), self.parameters)]
+
+
+class VectorRange:
+    """Entries ``[offset, offset + numel)`` of a :class:`ModelVector`'s vector, read by slicing: each slice is a copy
+    of just those entries (:meth:`ModelVector.get_range`). Code that slices a model-sized vector (a balancing's
+    pieces) reads the model through it without a copy of the model."""
+
+    def __init__(self, vector: ModelVector, offset: int, numel: int) -> None:
+        vector._check_range(offset, offset + numel)
+        self.vector, self.offset, self._numel = vector, offset, numel
+        self.dtype: torch.dtype = vector.dtype
+        self.device: torch.device = vector.parameters[0].device
+
+    def numel(self) -> int:
+        return self._numel
+
+    def __getitem__(self, index: slice) -> Tensor:
+        start, stop, step = index.indices(self._numel)
+        if step != 1:
+            raise ValueError("a VectorRange is read in contiguous slices")
+        return self.vector.get_range(self.offset + start, self.offset + max(start, stop))
+

@@ -3,7 +3,9 @@
 import torch
 from torch import nn
 
-from lightning_dist.model_vector import ModelVector
+import pytest
+
+from lightning_dist.model_vector import ModelVector, VectorRange
 
 
 def _module(dtype=torch.float32):
@@ -34,3 +36,25 @@ def test_parameter_views_follow_the_parameters_and_set_rounds_once():
     state = torch.linspace(-1, 1, vector.get().numel()) / 3
     vector.set(state)
     assert torch.equal(vector.get(), state.to(torch.bfloat16))
+
+
+def test_a_vector_range_reads_the_models_entries_slice_by_slice_and_all_finite_sees_every_tensor():
+    """A VectorRange over entries [3, 15) gives, for any slice, a new tensor equal to that slice of the flat vector;
+    all_finite covers parameters and buffers without a copy."""
+    vector = ModelVector(_module(torch.float32))
+    flat = vector.get()
+    part = VectorRange(vector, 3, 12)
+    assert part.numel() == 12 and part.dtype == flat.dtype and part.device == flat.device
+    for start, stop in ((0, 12), (2, 7), (11, 12), (5, 5), (4, 100)):
+        piece = part[start:stop]
+        assert torch.equal(piece, flat[3:15][start:stop])
+        piece.fill_(7)  # a copy: the model is untouched
+    assert torch.equal(vector.get(), flat)
+    with pytest.raises(ValueError, match="contiguous slices"):
+        part[0:12:2]
+    with pytest.raises(ValueError, match="not within the model vector"):
+        VectorRange(vector, 3, flat.numel())
+    assert vector.all_finite()
+    next(iter(vector.buffers)).fill_(float("nan"))
+    assert not vector.all_finite()
+

@@ -41,10 +41,12 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_dist.algorithms import averaging
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.comm import Communicator
 from lightning_dist.comm.nodes import NodeLayout, node_groups
+from lightning_dist.model_vector import ModelVector
 
 def _counted_allreduce(comm: Communicator, bucket):  # type: ignore[no-untyped-def]
     """DDP's default gradient all-reduce over the node group (a ``GradBucket`` in, a ``Future[Tensor]`` out), its
@@ -133,6 +135,17 @@ class NodeHierarchy:
         gathered = self.node.all_gather(torch.nn.functional.pad(piece, (0, width - piece.numel())), purpose)
         return [(begin + offset, gathered[index, :size])
                 for index, ((begin, _), size) in enumerate(zip(bounds, lengths)) if size]
+
+    def share_parts(self, vector: ModelVector, purpose: str) -> None:
+        """Every rank of the node has written its chunk of ``vector``'s model: each rank's chunk to the others, a
+        bucket (``AVERAGE_BUCKET`` entries of a chunk) at a time, never the node's whole model at once."""
+        numel, bucket = vector.numel, averaging.AVERAGE_BUCKET
+        begin, stop = self.own_bounds(numel)
+        widest = max(end - start for start, end in self.bounds(numel))  # the same ranges on every rank of the node
+        for offset in range(0, widest, bucket):
+            piece = vector.get_range(min(begin + offset, stop), min(begin + offset + bucket, stop))
+            for position, values in self.gather_pieces(piece, offset, bucket, numel, purpose):
+                vector.set_range(position, values)
 
     def node_sum(self, value: float, device: torch.device, purpose: str) -> float:
         """``value`` summed over this node's ranks (each holds its part's share of a node-wide quantity)."""

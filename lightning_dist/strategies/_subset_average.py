@@ -20,11 +20,12 @@ not measured apart).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms import averaging
 from lightning_dist.algorithms.subset_average import (
     Piece,
     chunk_bounds,
@@ -38,6 +39,7 @@ from lightning_dist.algorithms.subset_average import (
     sum_pieces,
 )
 from lightning_dist.comm import Communicator
+from lightning_dist.model_vector import VectorRange
 
 
 class SubsetAverage:
@@ -49,11 +51,13 @@ class SubsetAverage:
 
     Args:
         comm: the strategy's communicator (all ranks).
-        local: this rank's model vector (parameters, then floating-point buffers).
+        local: this rank's model vector (parameters, then floating-point buffers), or a
+            :class:`~lightning_dist.model_vector.VectorRange` that reads the model's entries slice by slice
+            (no copy of the model: a large model's balancing).
         purpose: the byte counter the transfers are recorded under.
     """
 
-    def __init__(self, comm: Communicator, local: Tensor, purpose: str) -> None:
+    def __init__(self, comm: Communicator, local: Tensor | VectorRange, purpose: str) -> None:
         self.comm = comm
         self.local = local
         self.purpose = purpose
@@ -105,20 +109,39 @@ class SubsetAverage:
 
     def gather(self) -> Tensor | None:
         """The mean of the members' models on every member (None elsewhere): each owner's chunk to the others."""
-        rank = self.comm.rank
-        if rank not in self.members:
+        if self.comm.rank not in self.members:
             return None
-        mean = torch.empty_like(self.local)
-        own = self._mean_chunk()
-        mean[self._chunk[0] : self._chunk[1]] = own
-        sends, receives = [], []
-        for piece in gather_pieces(self.members, self.local.numel()):
-            if piece.source == rank:
-                sends.append((own, piece.destination))
-            elif piece.destination == rank:
-                receives.append((mean[piece.start : piece.stop], piece.source))
-        self.comm.exchange(sends, receives, self.purpose)
+        mean = torch.empty(self.local.numel(), dtype=self.local.dtype, device=self.local.device)
+        self.gather_into(lambda start, values: mean[start:start + values.numel()].copy_(values))
         return mean
+
+    def gather_into(self, write: Callable[[int, Tensor], object]) -> bool:
+        """On a member, hand every piece of the members' mean to ``write(start, values)`` (its own chunk first) and
+        return True; False elsewhere. Each owner's chunk goes to the other members in windows of at most
+        ``AVERAGE_BUCKET / (|B| - 1)`` entries, so a member receives at most a bucket at a time (one window for a
+        chunk that fits: one message per pair, as :func:`gather_pieces` plans)."""
+        rank, members = self.comm.rank, self.members
+        if rank not in members:
+            return False
+        own = self._mean_chunk()
+        write(self._chunk[0], own)
+        pieces = gather_pieces(members, self.local.numel())
+        window = max(1, averaging.AVERAGE_BUCKET // max(1, len(members) - 1))
+        longest = max((piece.stop - piece.start for piece in pieces), default=0)  # the same on every member
+        for begin in range(0, longest, window):
+            sends, receives = [], []
+            for piece in pieces:
+                start, stop = piece.start + begin, min(piece.stop, piece.start + begin + window)
+                if start >= stop:
+                    continue
+                if piece.source == rank:
+                    sends.append((own[start - self._chunk[0]:stop - self._chunk[0]], piece.destination))
+                elif piece.destination == rank:
+                    receives.append((start, own.new_empty(stop - start, dtype=self.local.dtype), piece.source))
+            self.comm.exchange(sends, [(buffer, source) for _, buffer, source in receives], self.purpose)
+            for start, buffer, _ in receives:
+                write(start, buffer)
+        return True
 
 
 def average_subset(comm: Communicator, local: Tensor, members: Sequence[int], purpose: str) -> Tensor | None:

@@ -24,6 +24,7 @@ from lightning_dist.algorithms.averaging import (
 from lightning_dist.algorithms.compression import encoded_chunks_nbytes
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.strategies._outer import build_outer_step, load_outer_state, outer_state
+from lightning_dist.model_vector import VectorRange
 from lightning_dist.strategies._subset_average import SubsetAverage
 from lightning_dist.strategies.local_update import LocalUpdateStrategy
 
@@ -284,14 +285,17 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         assert threshold is not None
         learners = self.learners
         reference = self.learner_part(self.reference)
-        # Made at the first round: a set that is every learner from the start (every one violated, or the counter
-        # says so) goes straight to the full synchronization, without this copy of the model.
+        hierarchy, vector = self._hierarchy, self.model_vector
+        offset = 0 if hierarchy is None else hierarchy.own_bounds(vector.numel)[0]  # this rank's part of the model
+        # Made at the first round (a set that is every learner from the start, every one violated or the counter
+        # says so, goes straight to the full synchronization); it reads this rank's part of the model slice by slice.
         balancing: SubsetAverage | None = None
 
         def mean_within_threshold(balancing_set: list[int], newly_added: list[int]) -> bool:
             nonlocal balancing
             if balancing is None:
-                balancing = SubsetAverage(learners, self.learner_part(self.model_vector.get()), "protocol")
+                balancing = SubsetAverage(learners, VectorRange(self.model_vector, offset, self.learner_numel()),
+                                          "protocol")
             balancing.reduce(balancing_set, newly_added)
             if len(balancing_set) == 1:
                 return False  # the mean of one violator is its own model, which the check found violating
@@ -304,9 +308,10 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
             self._full_sync()
             return
         assert balancing is not None, "a partial balancing set comes from at least one round"
-        mean = balancing.gather()
-        if mean is not None:  # a member: under a hierarchy every rank of the node is
-            self.model_vector.set(self.learner_whole(mean, "protocol"))
+        # A member writes the pieces of the set's mean into its part as they arrive; under a hierarchy every rank of
+        # a member node is a member, and the node then shares its parts.
+        if balancing.gather_into(lambda start, values: vector.set_range(offset + start, values)) and hierarchy:
+            hierarchy.share_parts(vector, "protocol")
         self._partial_syncs += 1
         self._syncs += 1
 

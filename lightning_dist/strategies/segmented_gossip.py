@@ -176,24 +176,20 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
 
         The round runs a range of ``AVERAGE_BUCKET`` entries of the part at a time (:meth:`_gossip_range`), so its
         temporaries are a range's, never a model's; a part under one bucket is one range, one message per link.
-        Aggregation is entry by entry, so the ranges change no value."""
+        Aggregation is entry by entry, so the ranges change no value. Under a hierarchy the node then shares its
+        ranks' parts (:meth:`NodeHierarchy.share_parts`), a bucket at a time too."""
         learners = self.learners
         rank, world_size = learners.rank, learners.world_size
         self.raise_unless_finite(self.model_vector.all_finite())
         plan = pull_plan(world_size, self.segments, self.replicas, self._generator)
-        numel, width, hierarchy = self.model_vector.numel, self.learner_numel(), self._hierarchy
-        offset = 0 if hierarchy is None else hierarchy.own_bounds(numel)[0]
-        # The same ranges on every rank of a node (the widest part's), for the node's gathers to pair up.
-        widest = width if hierarchy is None else max(stop - begin for begin, stop in hierarchy.bounds(numel))
+        width, hierarchy = self.learner_numel(), self._hierarchy  # a slice group's ranks have parts of one width
+        offset = 0 if hierarchy is None else hierarchy.own_bounds(self.model_vector.numel)[0]
         bucket = averaging.AVERAGE_BUCKET
-        for begin in range(0, widest, bucket):
+        for begin in range(0, width, bucket):
             stop = min(begin + bucket, width)
-            aggregated = self._gossip_range(plan, offset, min(begin, stop), stop)
-            if hierarchy is None:
-                self.model_vector.set_range(offset + begin, aggregated)
-                continue
-            for position, values in hierarchy.gather_pieces(aggregated, begin, bucket, numel, "protocol"):
-                self.model_vector.set_range(position, values)
+            self.model_vector.set_range(offset + begin, self._gossip_range(plan, offset, begin, stop))
+        if hierarchy is not None:  # the node's ranks hold their aggregated parts: each to the others
+            hierarchy.share_parts(self.model_vector, "protocol")
 
         links = transfers(plan)
         pulls = {provider: segments for (provider, puller), segments in links.items() if puller == rank}
@@ -217,8 +213,6 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         rank = self.learners.rank
         pieces = [(segment, max(start, begin) - begin, min(end, stop) - begin)
                   for segment, (start, end) in enumerate(self._bounds) if start < stop and end > begin]
-        if not pieces:
-            return self.model_vector.get_range(0, 0)
         bounds = [(start, end) for _, start, end in pieces]
         range_plan = plan[:, [segment for segment, _, _ in pieces]]  # the pieces' providers, as their segments'
         links = transfers(range_plan)

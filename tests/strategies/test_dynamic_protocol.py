@@ -42,6 +42,9 @@ CASES = {
         "set_of_2": {"models": [_scaled(0.1), _scaled(1.0), _scaled(-0.2), _scaled(-0.9)], "threshold": 1.0, "seed": 0},
         # ranks 0, 1, 2 violate, their mean is near r: a partial sync of 3, rank 3 untouched
         "set_of_3": {"models": [_scaled(2.0), _scaled(-1.2), _scaled(-0.7), _scaled(0.2)], "threshold": 1.0, "seed": 0},
+        # the same with AVERAGE_BUCKET = 2: the members' chunks of 2 entries go out in windows of 2 // 2 = 1 entry
+        "set_of_3_windows": {"models": [_scaled(2.0), _scaled(-1.2), _scaled(-0.7), _scaled(0.2)], "threshold": 1.0,
+                             "seed": 0, "bucket": 2},
         "bf16_all_reduce": {"spread": [3.0] * 4, "threshold": 1e-3, "seed": 3, "dim": 64, "dtype": "bfloat16"},
         "bf16_hedged": {"spread": [3.0, 0.1, 0.1, 0.1], "threshold": 1.0, "seed": 3, "dim": 64, "dtype": "bfloat16"},
         "bf16_set_of_2": {"models": [_scaled(0.1), _scaled(1.3), _scaled(-0.2), _scaled(-1.1)], "threshold": 1.0,
@@ -49,7 +52,10 @@ CASES = {
     },
     # one violator of 8, balanced by 2 more: two rounds, the second adds two whole models to the first's sum
     8: {"two_rounds": {"spread": [0.1, 1.0] + [0.1] * 6, "threshold": 1.0, "seed": 1},
-        "cross_check": {"models": _cross_check_models(), "threshold": CROSS_THRESHOLD, "seed": 1}},
+        "cross_check": {"models": _cross_check_models(), "threshold": CROSS_THRESHOLD, "seed": 1},
+        # a set of 3 of 1482 entries gathered in windows of 100 // 2 = 50 entries
+        "cross_check_windows": {"models": _cross_check_models(), "threshold": CROSS_THRESHOLD, "seed": 1,
+                                "bucket": 100}},
 }
 
 
@@ -160,6 +166,19 @@ def test_non_finite_rank_is_named_and_nothing_is_averaged(tmp_path):
             assert result["error"] is not None and f"rank(s) [{named}]" in result["error"], (case, rank, result["error"])
             if rank != named:
                 assert torch.equal(result["vector"][:DIM], result["models"][rank]), (case, rank)
+
+
+@pytest.mark.parametrize("name", ["set_of_3", "cross_check"])
+def test_a_balancing_gathered_in_windows_is_the_same_model_and_bytes(launched, name):
+    """A small AVERAGE_BUCKET (a large model's, scaled down) gathers the set's mean in windows of the members' chunks,
+    reading each rank's pieces from its model rather than a copy of it: every rank ends with the same bits and sends
+    the same bytes, in more messages."""
+    whole, windows = launched[name], launched[f"{name}_windows"]
+    for a, b in zip(whole, windows):
+        assert a["error"] is None and b["error"] is None
+        assert torch.equal(a["vector"], b["vector"])
+        assert a["stats"].protocol_bytes == b["stats"].protocol_bytes
+    assert sum(b["stats"].messages for b in windows) > sum(a["stats"].messages for a in whole)
 
 
 def test_the_simulator_moves_what_the_strategy_moves_for_the_same_models(launched):

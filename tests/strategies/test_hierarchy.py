@@ -22,7 +22,7 @@ def three_nodes(tmp_path_factory):
              "strategy": {"class": "PeriodicAveragingStrategy",
                           "kwargs": {"period": PERIOD, "client_fraction": 0.6, "seed": 3, "hierarchy": "node"}}},
             # Checks every 2 steps with a threshold that gave 7 full and 3 partial synchronizations in 24 steps.
-            {"name": "dynamic", "record_vectors": True,
+            {"name": "dynamic", "record_vectors": True, "bucket": 1000,  # balancings gathered and shared in buckets
              "strategy": {"class": "DynamicAveragingStrategy",
                           "kwargs": {"divergence_threshold": 0.02, "check_every": 2, "hierarchy": "node"}}}]
     run_nodes(3, RANKS_PER_NODE, "fit", {"data": {"partition": "class_sorted"},

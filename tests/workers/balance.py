@@ -2,8 +2,9 @@
 
 For each case every rank sets its replica to a seeded random vector (or the case's explicit models),
 then a fresh strategy runs one check (local conditions, balancing, averaging) exactly as after an
-optimizer step in training. Each rank writes its results, one entry per case, to rank{r}.pt for
-comparison with the one-process definition.
+optimizer step in training (``bucket``: the ``AVERAGE_BUCKET`` it runs with, which sets the windows a balancing's
+mean is gathered in). Each rank writes its results, one entry per case, to rank{r}.pt for comparison with the
+one-process definition.
 """
 
 import json
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dist.algorithms import averaging
 from lightning_dist.comm import Communicator
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies import DynamicAveragingStrategy
@@ -26,7 +28,11 @@ def models_of(case: dict, world_size: int, dtype: torch.dtype) -> list[torch.Ten
     return [(torch.randn(case["dim"], generator=generator) * case["spread"][i]).to(dtype) for i in range(world_size)]
 
 
+DEFAULT_BUCKET = averaging.AVERAGE_BUCKET
+
+
 def run_case(case: dict, group: dist.ProcessGroup, rank: int, world_size: int) -> dict:
+    averaging.AVERAGE_BUCKET = case.get("bucket", DEFAULT_BUCKET)
     strategy = DynamicAveragingStrategy(divergence_threshold=case["threshold"], check_every=1, seed=case["seed"])
     dtype = getattr(torch, case.get("dtype", "float32"))
     models = models_of(case, world_size, dtype)
