@@ -118,10 +118,7 @@ class NodeHierarchy:
     def whole(self, part: Tensor, numel: int, purpose: str) -> Tensor:
         """The vector whose chunks the node's ranks hold (``part`` is this rank's): an all-gather inside the node
         (chunks padded to the largest, at most one element more)."""
-        bounds = self.bounds(numel)
-        width = max(end - begin for begin, end in bounds)
-        gathered = self.node.all_gather(torch.nn.functional.pad(part, (0, width - part.numel())), purpose)
-        return torch.cat([gathered[index, : end - begin] for index, (begin, end) in enumerate(bounds)])
+        return torch.cat([values for _, values in self.gather_pieces(part, 0, numel, numel, purpose)])
 
     def gather_pieces(self, piece: Tensor, offset: int, length: int, numel: int,
                       purpose: str) -> list[tuple[int, Tensor]]:

@@ -37,7 +37,7 @@ from lightning_dist.algorithms.averaging import all_finite
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
 from lightning_dist.algorithms.streaming import StreamingPlan, merge
 from lightning_dist.model_vector import ModelVector
-from lightning_dist.strategies._fragment_exchange import Lanes, exchanges
+from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes, exchanges
 
 
 class _InFlight:
@@ -80,20 +80,20 @@ class StreamingSync:
         self.bounds = plan.fragment_bounds(vector.numel)
         self.device = vector.parameters[0].device
         self.state_device = state_device or self.device
-        self.outer = [self._outer_step(outer_optimizer, start, stop) for start, stop in self.bounds]
         self.fragments = exchanges(self.bounds, vector.num_parameters, foreground.hierarchy, codec, self.device,
                                    self.state_device)
+        self.outer = [self._outer_step(outer_optimizer, fragment) for fragment in self.fragments]
         if codec is not None:  # each fragment's compressed deltas are taken from the model every replica starts with
             for fragment in self.fragments:
                 fragment.hold(vector.get_range(fragment.start, fragment.stop))
         self.in_flight: _InFlight | None = None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and background is not None else None
 
-    def _outer_step(self, factory: OuterOptimizerFactory | None, start: int, stop: int) -> OuterStep | None:
-        parameters = max(0, min(stop, self.vector.num_parameters) - start)
-        if factory is None or parameters == 0:
+    def _outer_step(self, factory: OuterOptimizerFactory | None, fragment: FragmentExchange) -> OuterStep | None:
+        if factory is None or fragment.num_parameters == 0:
             return None
-        return OuterStep(self.vector.get_range(start, start + parameters).to(self.state_device), factory)
+        start = fragment.start
+        return OuterStep(self.vector.get_range(start, start + fragment.num_parameters).to(self.state_device), factory)
 
     # ------------------------------------------------------------ the schedule
 
