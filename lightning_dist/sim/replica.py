@@ -177,12 +177,14 @@ class Replica:
         output = self.module.training_step(batch, self.steps)
         return output["loss"] if isinstance(output, dict) else output
 
-    def apply_gradient(self, gradient: Optional[Tensor] = None) -> None:
+    def apply_gradient(self, gradient: Optional[Tensor | Sequence[Tensor]] = None) -> None:
         """The second half of :meth:`step`: the optimizer's step with the gradient in ``.grad``, or with
-        ``gradient`` (the :meth:`gradients` flattened into one vector) put there first."""
+        ``gradient`` put there first: the :meth:`gradients` flattened into one vector, or one tensor per trainable
+        parameter (:mod:`lightning_dist.sim.batched`)."""
         if gradient is not None:
+            chunks = gradient.split(self._trainable_sizes) if isinstance(gradient, Tensor) else gradient
             with torch.no_grad():
-                for parameter, chunk in zip(self._trainable, gradient.split(self._trainable_sizes)):
+                for parameter, chunk in zip(self._trainable, chunks, strict=True):
                     # A copy per replica: an optimizer may change its .grad in place.
                     parameter.grad = chunk.view_as(parameter).to(parameter.dtype, copy=True)
         self.optimizer.step()

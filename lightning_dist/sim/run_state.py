@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from lightning_dist.algorithms.averaging import weighted_average
+from lightning_dist.algorithms.averaging import running_average
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Simulator
 from lightning_dist.sim.replica import Replica
@@ -58,7 +58,8 @@ class RunState:
         e.g. ``dataset_sizes``) if given; of all workers' models while none is present."""
         workers = self.present_workers() or list(range(self.num_workers))
         chosen = None if weights is None else [weights[rank] for rank in workers]
-        return weighted_average([self.worker_model(rank) for rank in workers], chosen)
+        # One model at a time: thousands of workers' models are never held together.
+        return running_average((self.worker_model(rank) for rank in workers), chosen)
 
     def present_workers(self) -> list[int]:
         """The workers present now (all of them without churn), ascending."""

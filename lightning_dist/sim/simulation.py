@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dist.algorithms.arguments import check_count
+from lightning_dist.sim.batched import BatchedSteps, check_batchable
 from lightning_dist.sim.churn import Churn
 from lightning_dist.sim.engine import Node, Simulator, SpeedModel
 from lightning_dist.sim.machines import Machines, check_machines
@@ -69,6 +70,26 @@ def _equal_lengths(loaders: list[DataLoader]) -> bool:
         return len({len(loader) for loader in loaders}) == 1
     except TypeError:
         return False
+
+
+def _check_batched(batched_workers: Optional[int], protocol: Protocol, speed: Optional[SpeedModel],
+                   model: L.LightningModule) -> Optional[int]:
+    """``batched_workers`` checked against what batched steps need (:mod:`lightning_dist.sim.batched`)."""
+    if batched_workers is None:
+        return None
+    check_count("batched_workers", batched_workers, 1)
+    if type(protocol).train_step is not Protocol.train_step:
+        raise ValueError(
+            f"batched_workers needs a local-update protocol; protocol {protocol.name!r} computes its workers' steps "
+            "itself (ddp: gradients for an all-reduce every step): use batched_workers=None"
+        )
+    if speed is None or not speed.modelled("step"):
+        raise ValueError(
+            "batched_workers needs a modelled speed.step_seconds: steps that end at one virtual instant are computed "
+            "together, and a measured step runs at its start; got step_seconds=None"
+        )
+    check_batchable(model)
+    return batched_workers
 
 
 class Simulation(RunState):
@@ -111,6 +132,11 @@ class Simulation(RunState):
             (:mod:`lightning_dist.sim.collectives`), or ``"nccl"``, NCCL's ring or tree, whichever its tuner predicts
             faster, as a GPU cluster runs them (:mod:`lightning_dist.sim.nccl`). Point-to-point messages keep the
             network model's timing either way.
+        batched_workers: None (default): every worker's training step runs on its own. An integer ``k >= 1``: the
+            steps that end at one virtual instant run together, up to ``k`` replicas in one ``torch.func.vmap``
+            (:mod:`lightning_dist.sim.batched`): much faster for many workers of a small model, equal to the
+            per-worker path up to float32 rounding. Needs a modelled ``speed.step_seconds`` and a local-update
+            protocol (not ``ddp``, whose workers compute gradients for an all-reduce every step).
     """
 
     def __init__(
@@ -133,6 +159,7 @@ class Simulation(RunState):
         intra_node: Optional[NetworkModel] = None,
         hierarchy: Optional[str] = None,
         collectives: str = "gloo_ring",
+        batched_workers: Optional[int] = None,
     ) -> None:
         self.num_ranks = check_count("workers", workers, 1)
         self.collectives = check_collectives(collectives)
@@ -172,6 +199,8 @@ class Simulation(RunState):
                     "before its interval, so a worker leaving during it could not stop it; got step_seconds=None"
                 )
         self.churn = churn
+        self.batched_workers = _check_batched(batched_workers, protocol, speed, model)
+        self.batched_steps = None if self.batched_workers is None else BatchedSteps(model, self.batched_workers)
         self.model = model
         self.datamodule = datamodule
         self.protocol = protocol
@@ -416,6 +445,11 @@ class Simulation(RunState):
             "final": {key: value for key, value in final.items()
                       if key not in ("time", "steps", "bytes", "messages") and not key.startswith("bytes_")},
             "protocol_metrics": self.protocol.metrics(),
+            "batched": None if self.batched_steps is None else {
+                "batched_workers": self.batched_workers,
+                "steps": self.batched_steps.steps,
+                "calls": self.batched_steps.calls,
+            },
             # Virtual seconds workers spent waiting for the protocol (transfers, barriers), per worker.
             "wait_seconds_per_worker": sum(wait["seconds"] for wait in self.result.waits) / self.num_workers,
             "wall_seconds": wall_seconds,

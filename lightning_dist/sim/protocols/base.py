@@ -107,7 +107,10 @@ class Protocol(ABC):
         that exchanges gradients rather than models (DDP) overrides it and records its waiting with
         :meth:`RunState.record_wait <lightning_dist.sim.run_state.RunState.record_wait>`.
         """
-        return (yield from node.execute(self.simulation.replicas[rank].step, batch))
+        replica, batched = self.simulation.replicas[rank], self.simulation.batched_steps
+        if batched is None:
+            return (yield from node.execute(replica.step, batch))
+        return (yield from node.execute(batched.finish, batched.submit(replica, batch)))
 
     @abstractmethod
     def after_step(self, node: Node, rank: int, step: int) -> Program:
