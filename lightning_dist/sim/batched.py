@@ -1,21 +1,24 @@
-"""Batched workers (``Simulation(batched_workers=k)``): the training steps that end at one virtual instant computed
+"""Batched workers (``Simulation(batched_workers=k)``): the training steps in progress at one virtual instant computed
 together, up to ``k`` replicas in one ``torch.func.vmap`` call, instead of one Python-level forward and backward per
 worker.
 
 A simulated run of hundreds of workers of a small model spends its time in Python: every worker's
-``training_step``, autograd's graph and the optimizer's step, one after another. With a modelled step duration
-(:class:`~lightning_dist.sim.engine.SpeedModel`) the workers of a local-update protocol step in lockstep between
-their synchronizations, so the steps ending at one instant can be computed as one: ``torch.func.functional_call``
-runs the module's own ``training_step`` on one shell copy of the module, ``vmap(grad_and_value(...))`` over the
-group's stacked parameters, buffers and batches gives every worker's loss and gradient.
+``training_step`` and autograd's graph, one after another. With a modelled step duration
+(:class:`~lightning_dist.sim.engine.SpeedModel`) the workers of a local-update protocol step nearly in lockstep
+between their synchronizations, so their steps overlap in virtual time and can be computed as one:
+``torch.func.functional_call`` runs the module's own ``training_step`` on one shell copy of the module, and
+``vmap(grad_and_value(...))`` over the group's stacked parameters, buffers and batches gives every worker's loss
+and gradient.
 
 What stays per worker: its batches, its optimizer and schedulers (each replica applies its own gradient with its
-own optimizer, so any optimizer and schedule work), its step count, and when the step becomes visible. A worker
-registers its step at the end of its interval and waits for the group; the group is computed once every step
-ending at that instant has registered (an event scheduled at the instant after them), and each worker then
-applies its gradient when its process resumes, in the order the per-worker path would have run the steps. The
-forward and backward read a model without changing it, so what another worker's program does at the same instant
-sees the models it would have seen (:meth:`~lightning_dist.sim.engine.Node.execute`).
+own optimizer, so any optimizer and schedule work), its step count, and when the step becomes visible. Only a
+worker's own program changes its model (the protocols set a replica between its steps, in its own
+``after_step`` or ``join``), so a step's inputs are fixed from the start of its interval: a worker registers its
+step then (:meth:`BatchedSteps.submit`), and when the first registered step ends, every step started by then is
+computed, grouped by batch shapes and step index. Each worker applies its gradient when its own step ends
+(:meth:`BatchedSteps.finish`, run by :meth:`~lightning_dist.sim.engine.Node.execute` at the end of the
+interval), in the order the per-worker path runs the steps, so what anyone reads in between (an evaluation, a
+peer) is what it would have read.
 
 Equality: the group's matrix products are batched kernels that sum in another order than one model's, so losses
 and gradients agree with the per-worker path to float32 rounding, not bit for bit; protocols whose decisions follow
