@@ -200,8 +200,9 @@ class BatchedSteps:
                 "group computes on copies; use batched_workers=None"
             )
         self.steps, self.calls = self.steps + len(group), self.calls + 1
-        for index, entry in enumerate(group):
-            entry.result = [gradient[index] for gradient in gradients.values()], losses[index].tolist()
+        rows = zip(*(gradient.unbind() for gradient in gradients.values()))
+        for entry, row, entry_losses in zip(group, rows, losses.tolist()):
+            entry.result = list(row), entry_losses
 
 
 def _stacked(names: list[str], rows: list[list[Tensor]]) -> dict[str, Tensor]:

@@ -179,14 +179,17 @@ class Replica:
 
     def apply_gradient(self, gradient: Optional[Tensor | Sequence[Tensor]] = None) -> None:
         """The second half of :meth:`step`: the optimizer's step with the gradient in ``.grad``, or with
-        ``gradient`` put there first: the :meth:`gradients` flattened into one vector, or one tensor per trainable
-        parameter (:mod:`lightning_dist.sim.batched`)."""
-        if gradient is not None:
-            chunks = gradient.split(self._trainable_sizes) if isinstance(gradient, Tensor) else gradient
+        ``gradient`` put there first: the :meth:`gradients` flattened into one vector (DDP's mean, which every
+        replica receives), or this replica's own gradient, one tensor per trainable parameter
+        (:mod:`lightning_dist.sim.batched`), used as it is."""
+        if isinstance(gradient, Tensor):
             with torch.no_grad():
-                for parameter, chunk in zip(self._trainable, chunks, strict=True):
+                for parameter, chunk in zip(self._trainable, gradient.split(self._trainable_sizes)):
                     # A copy per replica: an optimizer may change its .grad in place.
                     parameter.grad = chunk.view_as(parameter).to(parameter.dtype, copy=True)
+        elif gradient is not None:
+            for parameter, own in zip(self._trainable, gradient, strict=True):
+                parameter.grad = own
         self.optimizer.step()
         self.steps += 1
         self._applied["step"] = self.steps
