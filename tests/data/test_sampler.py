@@ -134,3 +134,16 @@ def test_part_size_of_other_loaders_is_what_they_yield_or_unknown():
 
     assert part_size(DataLoader(Stream(), batch_size=2)) is None
     assert part_size([1, 2, 3]) is None
+
+
+def test_a_reused_partition_is_the_one_the_labels_and_arguments_give():
+    """The last partition is reused across ranks (a simulation's thousands of ranks) only while the dataset, its
+    labels and the arguments are the same: changed labels or another seed give their own partition."""
+    dataset = list(range(60))
+    labels = np.repeat(np.arange(6), 10)
+    for partition, seed, current in (("class_sorted", 0, labels), ("dirichlet", 1, labels),
+                                     ("dirichlet", 1, labels[::-1].copy()), ("dirichlet", 2, labels[::-1].copy())):
+        expected = make_partition(partition, current, 4, seed=seed, alpha=0.5)
+        for rank in range(4):
+            sampler = PartitionSampler(dataset, current, 4, rank, partition=partition, seed=seed)
+            assert np.array_equal(sampler.part, expected[rank])
