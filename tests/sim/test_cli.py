@@ -69,3 +69,15 @@ def test_simulate_refuses_a_bad_churn_schedule_by_name(tmp_path, churn, message)
         main(["simulate", "--config", str(REPO / "configs/sim/periodic.yaml"), *SMALL, "--churn", churn,
               "--out", str(tmp_path)])
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_simulate_computes_the_workers_together_with_batched_workers(tmp_path):
+    runs = {}
+    for batched in ([], ["--batched_workers", "8"]):
+        out = tmp_path / str(bool(batched))
+        main(["simulate", "--config", str(REPO / "configs/sim/periodic.yaml"), *SMALL, *batched, "--out", str(out)])
+        runs[bool(batched)] = json.loads((out / "summary.json").read_text())
+    assert runs[False]["batched"] is None
+    assert runs[True]["batched"] == {"batched_workers": 8, "steps": 18, "calls": runs[True]["batched"]["calls"]}
+    assert runs[True]["bytes"] == runs[False]["bytes"]
+    assert runs[True]["final"]["val_loss"] == pytest.approx(runs[False]["final"]["val_loss"], abs=1e-5)
