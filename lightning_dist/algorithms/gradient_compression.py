@@ -115,11 +115,18 @@ class PowerSGD:
     def nbytes(self, dtype_bytes: int = 4) -> int:
         """Bytes the step's all-reduces reduce once compression runs: the uncompressed gradients, then every ``P``
         and every ``Q`` (each a ring all-reduce of that size)."""
-        total = 0
+        return sum(self.phase_nbytes(dtype_bytes))
+
+    def phase_nbytes(self, dtype_bytes: int = 4) -> list[int]:
+        """The bytes of the hook's three all-reduces, one after the other, once compression runs: the uncompressed
+        gradients (``torch``'s ``powerSGD_hook`` all-reduces them, an empty tensor if there are none), every ``P``
+        (``n x r`` per matrix), then every ``Q`` (``m x r``), computed from the reduced ``P``."""
+        uncompressed = p_bytes = q_bytes = 0
         for index, shape in enumerate(self.shapes):
             if self.compressed[index]:
                 n, m = shape[0], shape.numel() // shape[0]
-                total += (n + m) * min(n, m, self.rank) * 4
+                rank = min(n, m, self.rank)
+                p_bytes, q_bytes = p_bytes + n * rank * 4, q_bytes + m * rank * 4
             else:
-                total += shape.numel() * dtype_bytes
-        return total
+                uncompressed += shape.numel() * dtype_bytes
+        return [uncompressed, p_bytes, q_bytes]

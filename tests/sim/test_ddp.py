@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist.sim import DataParallel, NetworkModel, NonFiniteModelError, Simulation, SpeedModel
+from lightning_dist.sim.network_model import ring_all_reduce_seconds
 from sim.helpers import simulation
 from workers.downpour import BatchNormClassifier
 
@@ -226,3 +227,16 @@ def test_ddp_workers_share_one_model_and_train_bit_for_bit_as_replicas_of_their_
 def test_epochs_that_end_at_different_steps_keep_a_replica_per_worker():
     sim, _ = scheduled_run(DataParallel(), UnequalBatches(), steps=8)
     assert len({id(replica.module) for replica in sim.replicas}) == WORKERS
+
+
+def test_powersgd_waits_for_its_three_all_reduces_one_after_the_other():
+    """torch's powerSGD_hook all-reduces the uncompressed tensors, then every P, then every Q (computed from the
+    reduced P): a compressed step waits for three rings, each with its latencies, not one of all the bytes."""
+    network = NetworkModel(latency=0.001, node_mbit=100)
+    sim = simulation(DataParallel(hook="powersgd"), workers=WORKERS, max_steps=4, network=network)
+    result = sim.run()
+    phases = sim.protocol.powersgd.phase_nbytes()
+    assert len(phases) == 3 and sum(phases) == sim.protocol.powersgd.nbytes() and all(phases[1:])
+    waits = {wait["step"]: wait["seconds"] for wait in result.waits if wait["worker"] == 0}
+    assert waits[4] == pytest.approx(sum(ring_all_reduce_seconds(network, WORKERS, nbytes) for nbytes in phases))
+    assert waits[4] > ring_all_reduce_seconds(network, WORKERS, sum(phases)) + 4 * (WORKERS - 1) * 0.001 - 1e-9

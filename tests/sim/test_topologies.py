@@ -277,7 +277,8 @@ def test_synchronous_parameter_server_as_the_strategy_serves_from_worker_zeros_n
     for replica in sim.replicas:
         assert torch.equal(replica.get(), protocol.global_model().to(replica.get().dtype))
     message = sim.replicas[0].get().nbytes + 32
-    assert sim.simulator.network.bytes_sent == [(workers - 1) * message] + [message] * (workers - 1)
+    # Each other worker's last step ends with the strategy's 32-byte DONE header.
+    assert sim.simulator.network.bytes_sent == [(workers - 1) * message] + [message + 32] * (workers - 1)
     transfer = message / (MBIT * MEGABIT)
     uploads = (workers - 1) * transfer + LATENCY
     waits = {wait["worker"]: wait["seconds"] for wait in result.waits}
@@ -293,7 +294,7 @@ def test_asynchronous_parameter_server_as_the_strategy_costs_worker_zero_no_byte
     sim, _ = run(protocol, workers, steps)
     message = sim.replicas[0].get().nbytes + 32
     pushes = steps // push_every
-    assert sim.simulator.network.bytes_sent == [(workers - 1) * pushes * message] + [pushes * message] * (workers - 1)
+    assert sim.simulator.network.bytes_sent == [(workers - 1) * pushes * message] + [pushes * message + 32] * (workers - 1)
     assert protocol.store.version == workers * pushes
 
 

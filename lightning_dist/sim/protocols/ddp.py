@@ -60,7 +60,9 @@ class DataParallel(Protocol):
     Args:
     hook: None (DDP's plain all-reduce), ``"fp16"`` or ``"powersgd"``: the DDP communication hook the
         benchmarks register (:mod:`lightning_dist.algorithms.gradient_compression` gives what every
-        worker applies; the all-reduce carries the hook's bytes: half, or PowerSGD's factors).
+        worker applies; the all-reduce carries the hook's bytes: half, or PowerSGD's factors, in the hook's three
+        all-reduces one after the other: the uncompressed tensors, every ``P``, every ``Q``; the hook's own
+        products are not timed).
     matrix_approximation_rank: PowerSGD's rank ``r``.
     start_powerSGD_iter: PowerSGD's plain all-reduces before compressing (>= 2 with error feedback, as the hook).
     """
@@ -102,9 +104,11 @@ class DataParallel(Protocol):
         loss = yield from node.execute(replica.compute_gradient, batch)
         started = node.now
         gradients = replica.gradients()
+        *chained, last = self._phases(step, gradients)
+        for phase, nbytes in enumerate(chained):  # PowerSGD's all-reduces before its last, one after the other
+            yield from node.all_reduce(("gradient", step, phase), members, None, lambda _: None, nbytes=nbytes)
         mean = yield from node.all_reduce(("gradient", step), members, gradients,
-                                          lambda grads: self._reduce(step, grads),
-                                          nbytes=self._nbytes(step, gradients))
+                                          lambda grads: self._reduce(step, grads), nbytes=last)
         self.simulation.record_wait(rank, step, started)
         yield from node.execute(replica.apply_gradient, mean, kind="update")
         self.done[rank] = step
@@ -115,18 +119,19 @@ class DataParallel(Protocol):
             self._send_state(rank, step)
         return loss
 
-    def _nbytes(self, step: int, gradients: list[Tensor]) -> int:
-        """The bytes the step's all-reduce reduces: the gradients, in float16 with the fp16 hook, PowerSGD's factors
-        (and its uncompressed tensors) once it compresses."""
+    def _phases(self, step: int, gradients: list[Tensor]) -> list[int]:
+        """The bytes of the step's all-reduces, run one after the other: the gradients, in float16 with the fp16 hook;
+        once PowerSGD compresses, its three (the uncompressed tensors, every ``P``, every ``Q``: each needs the one
+        before, so their latencies add up)."""
         if self.hook == "powersgd" and self.powersgd is None:
             self.powersgd = PowerSGD([gradient.shape for gradient in gradients], self.simulation.num_workers,
                                      self.matrix_approximation_rank, self.start_powerSGD_iter)
         plain = sum(gradient.numel() * gradient.element_size() for gradient in gradients)
         if self.hook == "fp16":
-            return plain // 2
+            return [plain // 2]
         if self.powersgd is not None and step > self.start_powerSGD_iter:
-            return self.powersgd.nbytes()
-        return plain
+            return self.powersgd.phase_nbytes()
+        return [plain]
 
     def _reduce(self, step: int, gradients: list[list[Tensor]]) -> Tensor:
         """The all-reduce of ``step`` starts: its mean; the joiners waiting now take part from the next step."""

@@ -11,7 +11,8 @@ the other through its send port. Buffers and the float32 master follow ``GlobalM
 ``topology="strategy"`` places the server as :class:`~lightning_dist.strategies.DownpourSGDStrategy`
 does: a thread on worker 0's node, which also trains. Worker 0's pushes and replies are local calls
 (no bytes, no transfer), so ``N - 1`` workers use the network, all through worker 0's ports. Every
-push and reply carries the strategy's 32-byte header. The server thread answers with a blocking
+push and reply carries the strategy's 32-byte header, and a worker's last step its ``DONE`` header. The server
+thread answers with a blocking
 send: it takes the next push only once its reply has arrived (modelled as the reply's arrival).
 ``max_staleness`` is refused there: the strategy's header round trip before a possibly stale
 update is not modelled.
@@ -144,6 +145,13 @@ class ParameterServer(Protocol):
         replica.set(vector)
         # The replica as it now is, in the model's dtype (see push_message).
         self.pulled[rank], self.versions[rank] = replica.get(), version
+
+    def finish(self, node: Node, rank: int) -> Program:
+        """With ``topology="strategy"`` a worker off the server's node tells the server thread it is done: the
+        strategy's 32-byte ``DONE`` header (``ParameterServerClient.done``)."""
+        if self.topology == "strategy" and rank != self.server_on_worker:
+            node.send(self.server_node, None, tag="done", nbytes=HEADER_BYTES)
+        yield from ()
 
     def server(self, node: Node) -> Program:
         membership = self.membership
