@@ -11,9 +11,13 @@ the other through its send port. Buffers and the float32 master follow ``GlobalM
 ``topology="strategy"`` places the server as :class:`~lightning_dist.strategies.DownpourSGDStrategy`
 does: a thread on worker 0's node, which also trains. Worker 0's pushes and replies are local calls
 (no bytes, no transfer), so ``N - 1`` workers use the network, all through worker 0's ports. Every
-push and reply carries the strategy's 32-byte header, and a worker's last step its ``DONE`` header. The server
-thread answers with a blocking
-send: it takes the next push only once its reply has arrived (modelled as the reply's arrival).
+push and reply carries the strategy's 32-byte header, and a worker's last step its ``DONE`` header. The
+asynchronous server thread takes one push at a time, as the strategy's ``_serve`` does: it reads a push's header,
+then receives its update (a 0-byte notice starts the transfer: Gloo moves a message once its receive is posted),
+and answers with a blocking send before it reads the next header (modelled as the reply's arrival), so pushes
+and replies take turns on worker 0's interface. (On a real network the kernel's socket buffers let a reply's last
+bytes drain while the next push arrives: the measured time lies between this and full overlap,
+``docs/results/simulator-validation.md``.)
 ``max_staleness`` is refused there: the strategy's header round trip before a possibly stale
 update is not modelled.
 
@@ -135,7 +139,13 @@ class ParameterServer(Protocol):
         pushes = self.pushes.get(rank)
         if pushes is not None:
             update = pushes.encode_push(update)
-        node.send(self.server_node, (update, self.versions[rank]), tag="push", nbytes=self._bytes(update))
+        if self._takes_turns(rank):
+            # The strategy's header first; the update moves once the server thread asks for it (see _take_push).
+            node.send(self.server_node, (None, self.versions[rank]), tag="push", nbytes=HEADER_BYTES)
+            yield node.recv(source=self.server_node, tag="ready")
+            node.send(self.server_node, update, tag="update", nbytes=update.nbytes)
+        else:
+            node.send(self.server_node, (update, self.versions[rank]), tag="push", nbytes=self._bytes(update))
         message = yield node.recv(source=self.server_node, tag="pull")
         vector, version, applied = message.payload
         if pushes is not None:
@@ -179,6 +189,8 @@ class ParameterServer(Protocol):
                 membership.admit(node, (self.published, None), self._admit_bytes)
                 continue
             update, pulled_version = message.payload
+            if self._takes_turns(message.source):
+                update = yield from self._take_push(node, message.source)
             update = self._decoded(message.source, update)
             check_finite(update, message.source)
             outcome = yield from node.execute(self.store.push, update, pulled_version, message.source,
@@ -186,6 +198,19 @@ class ParameterServer(Protocol):
             self.publish()
             self.applied[message.source] = outcome.accepted
             yield from self._reply(node, message.source)
+
+    def _takes_turns(self, rank: int) -> bool:
+        """Whether ``rank``'s pushes reach the asynchronous server thread one at a time (``topology="strategy"``, a
+        worker off the server's node)."""
+        return self.topology == "strategy" and not self.synchronous and rank != self.server_on_worker
+
+    def _take_push(self, node: Node, rank: int) -> Program:
+        """The strategy's server thread takes one push at a time: it reads a push's header, then receives its update
+        (Gloo moves a message once its receive is posted: a 0-byte notice here), applies it and sends the reply
+        before it reads the next header. So pushes and replies take turns on the server's interface instead of
+        streaming in while it replies."""
+        node.send(rank, None, tag="ready", nbytes=0)
+        return (yield node.recv(source=rank, tag="update")).payload
 
     @property
     def _admit_bytes(self) -> int:
