@@ -298,6 +298,18 @@ def test_asynchronous_parameter_server_as_the_strategy_costs_worker_zero_no_byte
     assert protocol.store.version == workers * pushes
 
 
+def test_asynchronous_parameter_server_as_the_strategy_takes_one_push_at_a_time():
+    """The strategy's server thread reads a push's header, receives its update, replies with a blocking send, and
+    only then reads the next header: two remote pushes of one instant take turns with the replies on worker 0's
+    interface, so the second worker waits a push and a reply longer than the first, not a push."""
+    protocol = ParameterServer(push_every=2, topology="strategy")
+    sim, result = run(protocol, 3, 2)
+    transfer = (sim.replicas[0].get().nbytes + 32) / (MBIT * MEGABIT)
+    waits = sorted(wait["seconds"] for wait in result.waits if wait["worker"] in (1, 2))
+    assert waits[1] - waits[0] == pytest.approx(2 * transfer + AGGREGATE + 3 * LATENCY, rel=0.02)
+    assert protocol.store.version == 3
+
+
 def test_parameter_server_as_the_strategy_refuses_max_staleness():
     with pytest.raises(ValueError, match="max_staleness must be None with topology='strategy'"):
         ParameterServer(max_staleness=2, topology="strategy")
