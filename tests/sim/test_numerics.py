@@ -1,14 +1,17 @@
 """A seeded simulation replays bit for bit: whatever thread count its caller set and, with its kernels pinned,
 whatever kernels the CPU would have picked (issue 26: ``make demo`` printed 175 steps to the target on one
-machine, 150 on another).
+machine, 150 on another). Across CPU models the demo's figures are documented with their measured spread instead
+(issue 42): the README shows what the demo prints.
 
 The workload is the demo's scaled down (a one-layer TransformerLM on the stdlib text, DDP, modelled compute);
 at this size both the thread count and each of MKL's, ATen's and oneDNN's code paths change its last bits.
 """
 
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +26,7 @@ from lightning_dist.sim import NetworkModel, Simulation, SpeedModel, make_protoc
 from lightning_dist.sim.numerics import PINNED_KERNELS
 
 TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
 # What a CPU without AVX would pick: ATen's plain kernels, oneDNN's SSE4.1 ones, MKL's SSE4.2 branch.
 OLDER_CPU = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "SSE4_2"}
 CHILD = """
@@ -111,3 +115,23 @@ def test_pinned_kernels_replay_a_run_bit_for_bit_whatever_kernels_the_cpu_would_
     for output in outputs:
         assert output["numerics"]["aten_cpu_capability"] == "AVX2"
         assert output["numerics"]["mkl_cbwr"] == "COMPATIBLE" and output["numerics"]["onednn_max_cpu_isa"] == "AVX2"
+
+
+def test_the_readme_shows_the_demos_recorded_replay_and_how_far_another_cpu_moves_it():
+    """README's and getting-started's demo output is ``demo_replay.json``'s pinned run (the wall seconds aside) and the
+    line the demo prints from that file's spread, which holds the Intel Xeon's reported figures (issue 42)."""
+    spec = importlib.util.spec_from_file_location("lm_demo", REPO / "examples" / "lm_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    record = json.loads(demo.REPLAYS.read_text())
+    pinned = next(variant for variant in record["variants"] if variant["name"] == "pinned")
+    assert pinned["numerics"]["threads"] == 1 and pinned["numerics"]["mkl_cbwr"] == "COMPATIBLE"
+    wall = re.compile(r"\(\d+ s wall\)")
+    for page in ("README.md", "docs/getting-started.md"):
+        shown = [wall.sub("", line) for line in (REPO / page).read_text().splitlines()]
+        for line in pinned["lines"]:
+            assert wall.sub("", line) in shown, (page, line)
+        assert demo.elsewhere() in shown, page
+    for reported in record["reported"]:
+        for figure, value in reported["figures"].items():
+            assert record["spread"][figure]["min"] <= value <= record["spread"][figure]["max"]
