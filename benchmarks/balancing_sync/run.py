@@ -74,7 +74,7 @@ from lightning_dist.strategies._subset_average import SubsetAverage, average_sub
 from benchmarks.common import netns
 from benchmarks.common.launch import RunFailed, launch_on_network
 from benchmarks.common.paths import RESULTS
-from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+from benchmarks.common.report import command_line, pyplot, replot, save_figure, write_json
 
 PREFIX = "balancing_sync"
 RANKS = 4
@@ -349,12 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args.repetitions = args.repetitions or (2 if args.quick else REPETITIONS)
     json_path = args.out / f"{PREFIX}.json"
     if args.replot:
-        report = json.loads(json_path.read_text())
-        report["summary"] = summarize(report)
-        write_json(json_path, report)
-        print(table(report["summary"]))
-        print("wrote", plot(report, args.out / f"{PREFIX}.png"))
-        return 0
+        return replot(json_path, summarize, table, lambda report: [plot(report, args.out / f"{PREFIX}.png")])
 
     netns.require_network("benchmarks.balancing_sync.run")
     args.out.mkdir(parents=True, exist_ok=True)

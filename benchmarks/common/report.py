@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,18 @@ def write_json(path: Path, report: Any) -> None:
     """``report`` as indented JSON at ``path`` (its folder made if missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
+
+
+def replot(json_path: Path, summarize: Callable[[dict[str, Any]], Any], table: Callable[[Any], str],
+           draw: Callable[[dict[str, Any]], Sequence[Path]]) -> int:
+    """A benchmark's ``--replot``: its summary derived again from the measurements in ``json_path`` and written
+    back, its table printed and its figures drawn (``draw`` returns their paths); returns the exit status 0."""
+    report = json.loads(json_path.read_text())
+    report["summary"] = summarize(report)
+    write_json(json_path, report)
+    print(table(report["summary"]))
+    print("wrote", *draw(report))
+    return 0
 
 
 def pyplot() -> Any:

@@ -90,7 +90,7 @@ from typing import Any
 from benchmarks.common import netns
 from benchmarks.common.launch import RunFailed, launch_on_network
 from benchmarks.common.paths import RESULTS
-from benchmarks.common.report import chosen, command_line, pyplot, save_figure, write_json
+from benchmarks.common.report import chosen, command_line, pyplot, replot, save_figure, write_json
 
 WORKER = Path(__file__).with_name("worker.py")
 PREFIX = "lm_network"
@@ -521,12 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.methods = (args.seeds or SEEDS)[:1], args.methods or ["ddp", "dynamic_hi"]
     json_path = args.out / f"{PREFIX}.json"
     if args.replot:
-        report = json.loads(json_path.read_text())
-        report["summary"] = summarize(report)
-        write_json(json_path, report)
-        print(table(report["summary"]))
-        print("wrote", *plot(report, args.out))
-        return 0
+        return replot(json_path, summarize, table, lambda report: plot(report, args.out))
 
     netns.require_network("benchmarks.language_model.network")
     args.out.mkdir(parents=True, exist_ok=True)

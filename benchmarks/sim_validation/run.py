@@ -36,7 +36,6 @@ result go to ``runs/sim_validation_*``. Exits 77 with a message where network na
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -51,7 +50,7 @@ from lightning_dist.sim.protocols import make_protocol
 from benchmarks.common import netns
 from benchmarks.common.launch import RunFailed, launch_on_network
 from benchmarks.common.paths import RESULTS
-from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+from benchmarks.common.report import command_line, pyplot, replot, save_figure, write_json
 from benchmarks.language_model.simulated import PAYLOAD_SHARE
 from benchmarks.sim_validation import workload
 
@@ -192,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     json_path = args.out / f"{PREFIX}.json"
     if args.replot:
-        report = json.loads(json_path.read_text())
-        report["summary"] = summarize(report)
-        write_json(json_path, report)
-        print(table(report["summary"]))
-        print("wrote", plot(report, args.out / f"{PREFIX}.png"))
-        return 0
+        return replot(json_path, summarize, table, lambda report: [plot(report, args.out / f"{PREFIX}.png")])
     netns.require_network("benchmarks.sim_validation.run")
     started = time.perf_counter()
     report: dict[str, Any] = {"config": {
