@@ -123,10 +123,12 @@ def node_rate_mbit(node_mbit: float, ceiling_mbit: float) -> float:
 
 def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_mbit: float, ceiling_mbit: float,
              step_s: float, max_virtual_s: float | None, max_steps: int, target: float | None,
-             ranks_per_node: int = 1, intra_mbit: float | None = None, threads: int = 1) -> dict[str, Any]:
+             ranks_per_node: int = 1, intra_mbit: float | None = None, threads: int = 1,
+             collectives: str = "gloo_ring") -> dict[str, Any]:
     """One simulated run of ``workers`` ranks, ``ranks_per_node`` to a machine (machines joined at ``node_mbit``, a
-    machine's ranks at ``intra_mbit``; ``lightning_dist.sim.machines``); stops at ``max_virtual_s``, ``max_steps``
-    or two evaluations after ``target``."""
+    machine's ranks at ``intra_mbit``; ``lightning_dist.sim.machines``), its collectives timed by ``collectives``
+    (``gloo_ring`` as the measured CPU runs, or ``nccl`` as a GPU cluster); stops at ``max_virtual_s``,
+    ``max_steps`` or two evaluations after ``target``."""
     torch.manual_seed(0)
     datamodule = StdlibTextDataModule(seed=0, **config["data"])
     model = TransformerLM(**config["model"])
@@ -140,7 +142,7 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
                              half_duplex_links=True),
         speed=SpeedModel(step_seconds=step_s, aggregate_seconds=0.0), max_virtual_seconds=max_virtual_s,
         eval_every=max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0,
-        ranks_per_node=ranks_per_node, hierarchy=hierarchy_of(method), threads=threads,
+        ranks_per_node=ranks_per_node, hierarchy=hierarchy_of(method), threads=threads, collectives=collectives,
         intra_node=None if intra_mbit is None else NetworkModel(latency=LATENCY_S, node_mbit=intra_mbit,
                                                                 half_duplex_links=True))
     started = time.perf_counter()
@@ -150,6 +152,7 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
              "bytes": row.get("bytes_inter_node", row["bytes"])} for row in result.rows]
     hit = next((row for row in rows if target is not None and row["val_loss"] <= target), None)
     return {"name": method["name"], "workers": workers, "ranks_per_node": ranks_per_node, "intra_mbit": intra_mbit,
+            "collectives": collectives,
             "bytes_by_level": result.summary["bytes_by_level"], "node_mbit": node_mbit,
             "rate_mbit": node_rate_mbit(node_mbit, ceiling_mbit), "step_s": step_s,
             "rows": rows, "time_to_target_s": hit["time"] if hit else None,
@@ -248,7 +251,7 @@ def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float, cei
     for workers in args.scale_workers:
         for name in args.scale_methods:
             run = simulate(config, methods[name], workers, args.scale_mbit, ceiling_mbit, step_s, None,
-                           args.scale_max_steps, target, ranks_per_node, intra_mbit, args.threads)
+                           args.scale_max_steps, target, ranks_per_node, intra_mbit, args.threads, args.collectives)
             run.update(command=args.command, date=time.strftime("%Y-%m-%d"))
             runs.append(run)
             print(f"  {workers:>4} workers {name:<17} {fmt(run['time_to_target_s'])} s to target "
@@ -434,6 +437,9 @@ def parts_parser(description: str, measured: str, scale_methods: list[str]) -> a
                         help="methods of part 1, whose cells replace theirs in the JSON (default: every measured one, anew)")
     parser.add_argument("--scale-methods", nargs="+", default=scale_methods)
     parser.add_argument("--scale-max-steps", type=int, default=SCALE_MAX_STEPS)
+    parser.add_argument("--collectives", choices=["gloo_ring", "nccl"], default="gloo_ring",
+                        help="part 2's collective model: Gloo's ring, as the measured CPU runs (part 1 always), or "
+                             "NCCL's ring or tree, as a GPU cluster runs DDP (lightning_dist.sim.nccl)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's intra-op threads while simulating (the figures' last bits depend on it)")
     parser.add_argument("--native-kernels", action="store_true",
