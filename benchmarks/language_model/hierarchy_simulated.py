@@ -28,6 +28,13 @@ Usage::
     python -m benchmarks.language_model.hierarchy_simulated --scale-only --scale-nodes 32 --scale-methods ddp dynamic_default_node
     python -m benchmarks.language_model.hierarchy_simulated --replot
     python -m benchmarks.language_model.hierarchy_simulated --merge-from /tmp/exp/s128/lm_hierarchy_sim.json   # add a run's cells
+    python -m benchmarks.language_model.hierarchy_simulated --scale-only --scale-nodes 128 --scale-methods ddp \
+        --collectives nccl --native-kernels --threads 2 --retime benchmarks/results/lm_hierarchy_sim.json --out DIR
+
+Part 2's collectives are Gloo's ring (``--collectives gloo_ring``, the default: the measured CPU runs) or NCCL's
+ring or tree (``nccl``, ``lightning_dist.sim.nccl``: what a GPU cluster's DDP runs); a run under one sits beside
+the same cell under the other. ``--retime JSON`` moves DDP's runs (and its hooks') in that JSON to
+``--collectives`` instead of re-running them (``retime.py``: their first evaluation interval re-run and checked).
 
 Writes ``lm_hierarchy_sim.json`` and ``lm_hierarchy_sim.png`` (``--out``, default ``benchmarks/results``); scale
 runs of a method and size already in the JSON are replaced, the others kept.
@@ -53,6 +60,9 @@ PREFIX = "lm_hierarchy_sim"
 SCALE_NODES = [32, 128]
 SCALE_RANKS_PER_NODE = 8
 SCALE_METHODS = ["ddp", "ddp_powersgd_r4", "periodic_h50_node", "dynamic_default_node"]
+SCALE_ONLY_METHODS = ({"name": "ddp_fp16", "kind": "ddp", "label": "DDP + fp16 gradient compression (its comm hook)",
+                       "hook": {"name": "fp16"}},)
+"""Baselines of part 2 that the measured 2 x 2 study did not run (``lm_network.json`` measures ``ddp_fp16``)."""
 
 
 def calibration_mbit(measured: dict[str, Any]) -> float:
@@ -89,19 +99,27 @@ def kernels(numerics: dict[str, Any]) -> str:
     return f"{'pinned' if numerics.get('mkl_cbwr') else 'native'}, {numerics['threads']}"
 
 
+def collectives_label(run: dict[str, Any]) -> str:
+    """How a scale run's collectives were timed: Gloo's ring or NCCL's model, and whether it was re-timed
+    (``retime.py``) from a run under the other."""
+    label = "NCCL" if lm_sim.collectives_of(run) == "nccl" else "Gloo ring"
+    return f"{label}, re-timed" if run.get("retimed") else label
+
+
 def scale_table(runs: list[dict[str, Any]], mbit: float) -> str:
-    """Time to target against DDP's (and the strongest DDP variant's) at each size."""
-    lines = [f"| nodes x ranks | method | s to target at {mbit:g} Mbit/s | vs DDP "
+    """Time to target against DDP's (and the strongest DDP variant's) at each size, under the same collective model."""
+    lines = [f"| nodes x ranks | collectives | method | s to target at {mbit:g} Mbit/s | vs DDP "
              "| vs best DDP variant run at that size | steps to target | inter-node MB to target | final loss "
-             "| steps run | kernels, threads |", "|" + "---|" * 10]
+             "| steps run | kernels, threads |", "|" + "---|" * 11]
     for run in runs:
-        same = [other for other in runs if other["workers"] == run["workers"] and other["name"].startswith("ddp")]
+        same = [other for other in runs if other["workers"] == run["workers"] and other["name"].startswith("ddp")
+                and lm_sim.collectives_of(other) == lm_sim.collectives_of(run)]
         ddp = next((other["time_to_target_s"] for other in same if other["name"] == "ddp"), None)
         best = min((other["time_to_target_s"] for other in same if other["time_to_target_s"]), default=None)
         megabytes = None if run["bytes_to_target"] is None else run["bytes_to_target"] / 1e6
         lines.append(
-            f"| {run['workers'] // run['ranks_per_node']} x {run['ranks_per_node']} | {run['name']} "
-            f"| {fmt(run['time_to_target_s'])} | {fmt(lm_sim.ratio(ddp, run['time_to_target_s']), 1)} "
+            f"| {run['workers'] // run['ranks_per_node']} x {run['ranks_per_node']} | {collectives_label(run)} "
+            f"| {run['name']} | {fmt(run['time_to_target_s'])} | {fmt(lm_sim.ratio(ddp, run['time_to_target_s']), 1)} "
             f"| {fmt(lm_sim.ratio(best, run['time_to_target_s']), 2)} | {fmt(run['steps_to_target'], 0)} "
             f"| {fmt(megabytes, 0)} | {run['final_val_loss']:.3f} | {run['steps']:.0f} | {kernels(run['numerics'])} |")
     return "\n".join(lines)
@@ -127,18 +145,22 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.set_title("2 nodes x 2 ranks (green: one learner per node; band: within 20%)", fontsize=10)
     left.grid(True, alpha=0.3)
     runs = report.get("scale", [])
-    for name in dict.fromkeys(run["name"] for run in runs):
+    colors = {name: f"C{index % 10}" for index, name in enumerate(dict.fromkeys(run["name"] for run in runs))}
+    for name, collectives in dict.fromkeys((run["name"], lm_sim.collectives_of(run)) for run in runs):
         points = sorted((run["workers"], run["time_to_target_s"]) for run in runs
-                        if run["name"] == name and run["time_to_target_s"])
+                        if (run["name"], lm_sim.collectives_of(run)) == (name, collectives) and run["time_to_target_s"])
         if points:
             flat = not (name.endswith("_node") or name.startswith("ddp"))  # every rank a learner: dashed
-            right.plot(*zip(*points), marker="o", linestyle="--" if flat else "-", label=name)
+            nccl = collectives == "nccl"  # NCCL's model: filled markers; Gloo's ring: open, faint
+            right.plot(*zip(*points), marker="o", linestyle="--" if flat else "-", alpha=1.0 if nccl else 0.45,
+                       color=colors[name],
+                       markerfacecolor=None if nccl else "none", label=f"{name} ({'NCCL' if nccl else 'Gloo ring'})")
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xlabel("ranks (GPUs), 8 to a node")
     right.set_ylabel("simulated seconds to target")
     right.set_title(f"extension at {report['config'].get('scale_mbit', 0):g} Mbit/s between nodes (dashed: every "
-                    "rank a learner)", fontsize=10)
+                    "rank a learner; faint: Gloo's ring)", fontsize=10)
     right.grid(True, which="both", alpha=0.3)
     if runs:
         right.legend(fontsize=8)
@@ -158,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         return {"step_s": step_s, "intra_mbit": intra_node_mbit(measured, step_s),
                 "ceiling_mbit": lm_sim.measured_ceiling_mbit(network), "scale_mbit": calibration_mbit(measured)}
 
-    return lm_sim.drive(args, argv, PREFIX, constants, args.scale_ranks_per_node, scale_table, plot)
+    return lm_sim.drive(args, argv, PREFIX, constants, args.scale_ranks_per_node, scale_table, plot,
+                        SCALE_ONLY_METHODS)
 
 if __name__ == "__main__":
     sys.exit(main())

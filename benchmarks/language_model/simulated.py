@@ -69,6 +69,7 @@ from lightning_dist.sim.protocols import Protocol, make_protocol
 
 from benchmarks.common.paths import REPO, RESULTS
 from benchmarks.common.report import check_names, command_line, pyplot, save_figure, write_json
+from benchmarks.language_model.retime import retimed_scale
 
 PREFIX = "lm_sim"
 PAYLOAD_SHARE = 1448 / 1514
@@ -124,11 +125,12 @@ def node_rate_mbit(node_mbit: float, ceiling_mbit: float) -> float:
 def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_mbit: float, ceiling_mbit: float,
              step_s: float, max_virtual_s: float | None, max_steps: int, target: float | None,
              ranks_per_node: int = 1, intra_mbit: float | None = None, threads: int = 1,
-             collectives: str = "gloo_ring") -> dict[str, Any]:
+             collectives: str = "gloo_ring", eval_every: int | None = None) -> dict[str, Any]:
     """One simulated run of ``workers`` ranks, ``ranks_per_node`` to a machine (machines joined at ``node_mbit``, a
     machine's ranks at ``intra_mbit``; ``lightning_dist.sim.machines``), its collectives timed by ``collectives``
     (``gloo_ring`` as the measured CPU runs, or ``nccl`` as a GPU cluster); stops at ``max_virtual_s``,
-    ``max_steps`` or two evaluations after ``target``."""
+    ``max_steps`` or two evaluations after ``target``; evaluates every ``eval_every`` steps (default: ``EVALUATIONS``
+    times over ``max_steps``)."""
     torch.manual_seed(0)
     datamodule = StdlibTextDataModule(seed=0, **config["data"])
     model = TransformerLM(**config["model"])
@@ -141,7 +143,7 @@ def simulate(config: dict[str, Any], method: dict[str, Any], workers: int, node_
         network=NetworkModel(latency=LATENCY_S, node_mbit=node_rate_mbit(node_mbit, ceiling_mbit),
                              half_duplex_links=True),
         speed=SpeedModel(step_seconds=step_s, aggregate_seconds=0.0), max_virtual_seconds=max_virtual_s,
-        eval_every=max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0,
+        eval_every=eval_every or max(1, max_steps // EVALUATIONS), evaluate_workers=False, stop_when=reached, seed=0,
         ranks_per_node=ranks_per_node, hierarchy=hierarchy_of(method), threads=threads, collectives=collectives,
         intra_node=None if intra_mbit is None else NetworkModel(latency=LATENCY_S, node_mbit=intra_mbit,
                                                                 half_duplex_links=True))
@@ -260,11 +262,20 @@ def scale(args: argparse.Namespace, measured: dict[str, Any], step_s: float, cei
     return runs
 
 
+def collectives_of(run: dict[str, Any]) -> str:
+    """The collective model that timed a scale run (runs before ``--collectives`` existed: Gloo's ring)."""
+    return run.get("collectives", "gloo_ring")
+
+
 def merged_scale(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Part 2's runs: ``kept`` but for the (method, workers) cells run again, which ``new`` replaces."""
-    again = {(run["name"], run["workers"]) for run in new}
-    runs = [run for run in kept if (run["name"], run["workers"]) not in again] + new
-    return sorted(runs, key=lambda run: (run["workers"], run["name"]))
+    """Part 2's runs: ``kept`` but for the (method, workers, collective model) cells run again, which ``new``
+    replaces; a cell under another collective model stays beside it."""
+    def key(run: dict[str, Any]) -> tuple[str, int, str]:
+        return run["name"], run["workers"], collectives_of(run)
+
+    again = {key(run) for run in new}
+    runs = [run for run in kept if key(run) not in again] + new
+    return sorted(runs, key=lambda run: (run["workers"], collectives_of(run), run["name"]))
 
 
 def merged_prediction(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -406,8 +417,13 @@ def run_parts(args: argparse.Namespace, measured: dict[str, Any], report: dict[s
         predicted = predict(args, measured, step_s, ceiling_mbit, measured_ranks_per_node, intra_mbit)
         report["prediction"] = merged_prediction(report.get("prediction", []), predicted) if args.methods else predicted
     if not args.predict_only:
-        print(f"part 2: {args.scale_workers} ranks ({scale_ranks_per_node} a machine) at {args.scale_mbit:g} Mbit/s")
-        new = scale(args, measured, step_s, ceiling_mbit, scale_ranks_per_node, intra_mbit)
+        print(f"part 2: {args.scale_workers} ranks ({scale_ranks_per_node} a machine) at {args.scale_mbit:g} Mbit/s"
+              + (f", re-timed from {args.retime}" if args.retime else ""))
+        if args.retime:
+            recorded = json.loads(args.retime.read_text()).get("scale", [])
+            new = retimed_scale(args, measured["config"], recorded, simulate)
+        else:
+            new = scale(args, measured, step_s, ceiling_mbit, scale_ranks_per_node, intra_mbit)
         report["scale"] = merged_scale(report.get("scale", []), new)
 
 
@@ -440,6 +456,10 @@ def parts_parser(description: str, measured: str, scale_methods: list[str]) -> a
     parser.add_argument("--collectives", choices=["gloo_ring", "nccl"], default="gloo_ring",
                         help="part 2's collective model: Gloo's ring, as the measured CPU runs (part 1 always), or "
                              "NCCL's ring or tree, as a GPU cluster runs DDP (lightning_dist.sim.nccl)")
+    parser.add_argument("--retime", type=Path, default=None,
+                        help="part 2's lock-step methods (DDP, its hooks) re-timed under --collectives from this JSON's "
+                             "recorded runs: their first evaluation interval re-run and checked, not the whole run "
+                             "(retime.py)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's intra-op threads while simulating (the figures' last bits depend on it)")
     parser.add_argument("--native-kernels", action="store_true",
@@ -463,7 +483,7 @@ def check_method_names(args: argparse.Namespace, measured: dict[str, Any]) -> No
 def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
           constants: Callable[[dict[str, Any]], dict[str, Any]], scale_ranks_per_node: int,
           scale_table: Callable[[list[dict[str, Any]], float], str],
-          plot: Callable[[dict[str, Any], Path], None]) -> int:
+          plot: Callable[[dict[str, Any], Path], None], scale_only_methods: tuple[dict[str, Any], ...] = ()) -> int:
     """A prediction-and-extension driver's run into ``<out>/<prefix>.json`` and its plot.
 
     ``--replot`` redraws the JSON; ``--merge-from`` adds other runs' JSONs of this driver (each with its own ``--out``,
@@ -471,7 +491,8 @@ def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
     constants taken from the measured JSON (``step_s``, ``ceiling_mbit``, ``scale_mbit``, optionally
     ``intra_mbit``), recorded in the config with what every run records. Part 1 runs on the measured machines (the
     measured config's ``ranks_per_node``, else 1), part 2 on machines of ``scale_ranks_per_node``. A part run alone
-    keeps the other part of the JSON already there.
+    keeps the other part of the JSON already there. ``scale_only_methods`` join the measured JSON's methods for
+    part 2: methods the measured study did not run (its part 1 has no cell of theirs).
     """
     json_path = args.out / f"{prefix}.json"
     if args.replot or args.merge_from:
@@ -486,6 +507,7 @@ def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
         if not args.native_kernels:
             pin_cpu_kernels()
         measured = json.loads(args.measured.read_text())
+        measured["config"]["methods"] += scale_only_methods
         check_method_names(args, measured)
         config = constants(measured)
         args.scale_mbit = config["scale_mbit"]
@@ -496,6 +518,7 @@ def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
                                             else args.measured),
                             **config, "latency_s": LATENCY_S, "payload_share": PAYLOAD_SHARE, "target_val_loss": target,
                             "scale_max_steps": args.scale_max_steps, "python": platform.python_version(),
+                            "scale_only_methods": list(scale_only_methods),
                             "command": args.command, "date": time.strftime("%Y-%m-%d")}
         print(", ".join(f"{key} {value:g}" for key, value in config.items()) + f" (measured); target loss {target:.3f}")
         run_parts(args, measured, report, config["step_s"], config["ceiling_mbit"], config.get("intra_mbit"),

@@ -21,6 +21,13 @@ def test_a_merged_run_replaces_its_cell_and_keeps_the_others_sorted_by_size():
     assert [(r["name"], r["workers"], r["time_to_target_s"]) for r in merged] == [
         ("ddp", 256, 285.0), ("dynamic_default_node", 256, 19.0), ("ddp", 1024, 300.0),
         ("dynamic_default_node", 1024, 20.7)]
+    # A run under NCCL's model sits beside the same cell under Gloo's ring, and replaces its own kind.
+    nccl = [{**run("ddp", 256, 200.0), "collectives": "nccl"}]
+    both = merged_scale(merged, nccl)
+    assert [(r["name"], r["workers"], r["time_to_target_s"]) for r in both[:3]] == [
+        ("ddp", 256, 285.0), ("dynamic_default_node", 256, 19.0), ("ddp", 256, 200.0)]
+    again = merged_scale(both, [{**run("ddp", 256, 190.0), "collectives": "nccl"}])
+    assert [r["time_to_target_s"] for r in again if r["workers"] == 256] == [285.0, 19.0, 190.0]
 
 
 def test_a_merged_prediction_replaces_its_cell_in_place_and_appends_new_ones():
