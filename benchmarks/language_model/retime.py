@@ -74,7 +74,9 @@ def retimed(recorded: dict[str, Any], method: dict[str, Any], collectives: str,
         if (again["val_loss"], again["bytes"]) != (row["val_loss"], row["bytes"]):
             raise ValueError(f"{label}: after {row['mean_steps']:g} steps the re-run's loss and bytes "
                              f"({again['val_loss']!r}, {again['bytes']}) are not the recorded "
-                             f"({row['val_loss']!r}, {row['bytes']}): not the same trajectory")
+                             f"({row['val_loss']!r}, {row['bytes']}): not the same trajectory (a run with "
+                             "--native-kernels replays only on the CPU model it ran on, and a change to the code "
+                             "can move last bits); re-run it")
     step_s = at_step[interval]["time"] - at_step[interval - 1]["time"]
     if not _same_step(step_s, at_step[interval - 1]["time"] - at_step[interval - 2]["time"]):
         raise ValueError(f"{label}: the re-run's last two steps took {at_step[interval - 2]['time']:.6f} -> "
