@@ -20,9 +20,14 @@ class RankLoaderDataModule(L.LightningDataModule, ABC):
     """
 
     def train_dataloader(self) -> DataLoader:
+        """This rank's loader as the strategy shards data (``distributed_sampler_kwargs``, as Lightning's own sampler
+        would: under ``fault_tolerance`` the shard of the replica group, not of this job's ranks)."""
         trainer = self.trainer
-        num_replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        return self.train_loader(num_replicas, rank)
+        if trainer is None:
+            return self.train_loader(1, 0)
+        shard = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {
+            "num_replicas": trainer.world_size, "rank": trainer.global_rank}
+        return self.train_loader(shard["num_replicas"], shard["rank"])
 
     @abstractmethod
     def train_loader(self, num_replicas: int, rank: int) -> DataLoader:

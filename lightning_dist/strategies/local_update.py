@@ -38,6 +38,7 @@ from lightning_dist.comm import CommStats, Communicator, check_timeout, new_grou
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._averaging import ReplicaAveraging
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
+from lightning_dist.strategies._fault_tolerance import FaultTolerantWindows, ReplicaGroups, TorchFT
 from lightning_dist.strategies._fragment_exchange import FragmentExchange
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 
@@ -46,7 +47,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 """The strategies' default bound on one collective (torch's is 30 minutes)."""
 
 
-class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
+class LocalUpdateStrategy(ReplicaGroups, ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
     """Base for strategies that train one replica per rank and exchange models, not gradients.
 
     Args:
@@ -63,6 +64,11 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
             between nodes, each of a node's ranks carrying its chunk of the model
             (:mod:`lightning_dist.strategies._hierarchy`). Nodes come from the cluster environment
             (torchrun, SLURM) and must all hold ``devices`` ranks.
+        fault_tolerance: None (default): a failed rank ends the run. A :class:`~lightning_dist.strategies.TorchFT`:
+            every replica group (a node with ``hierarchy="node"``, else one rank) is its own torchrun job, and the
+            protocol runs between groups through torchft, so a lost group costs the others at most one window and a
+            restarted one rejoins with the live state from a peer (:mod:`lightning_dist.strategies._fault_tolerance`).
+            Strategies that do not support it refuse it by name.
         process_group_backend: ``"gloo"`` or ``"nccl"``; Lightning picks from the accelerator
             when None.
         timeout: how long a rank waits in one collective or transfer, Lightning's and this strategy's own process
@@ -79,6 +85,7 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
         seed: int = 0,
         compression: str | None = None,
         hierarchy: str | None = None,
+        fault_tolerance: TorchFT | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -105,6 +112,9 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
         self._buckets: list[FragmentExchange] | None = None
         self.hierarchy = check_hierarchy(hierarchy)
         self._hierarchy: NodeHierarchy | None = None
+        self.fault_tolerance = self.check_fault_tolerance(fault_tolerance)
+        self._windows: FaultTolerantWindows | None = None
+        self._joined: dict[str, Any] | None = None
         self._comm: Communicator | None = None
         self._vector: ModelVector | None = None
         self._generator = torch.Generator().manual_seed(seed)
@@ -124,7 +134,9 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
 
     def _configure_launcher(self) -> None:
         # Runs while the Trainer is built, before any process is launched.
-        if self.world_size < 2:
+        if self.fault_tolerance is not None:
+            self.check_replica_group_layout()
+        elif self.world_size < 2:
             raise ValueError(
                 f"{type(self).__name__} averages models across processes and needs at least 2 "
                 f"(devices * num_nodes >= 2); got devices={self.num_processes}, num_nodes={self.num_nodes}"
@@ -156,7 +168,9 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
             self._hierarchy.close()
         self._comm = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout),
                                   timeout=self._timeout)
-        if self.hierarchy is not None:
+        if self.fault_tolerance is not None:
+            self._hierarchy = self.replica_group_hierarchy()
+        elif self.hierarchy is not None:
             self._hierarchy = NodeHierarchy.create(
                 self._comm, self.cluster_environment.node_rank(), self.num_processes, self.num_nodes,
                 self._get_process_group_backend(), self._timeout, self.root_device)
@@ -175,7 +189,9 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
         self._buckets = self.full_sync_buckets()
         self.set_common_model(vector)
         self.on_replicas_initialized(vector)
-        if self._hierarchy is not None:
+        if self.fault_tolerance is not None:
+            self.join_replica_groups()
+        if self.hierarchy is not None:
             self.model = self._hierarchy.wrap(self.model, self.determine_ddp_device_ids())
 
     @property
@@ -192,7 +208,10 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
 
     @property
     def num_learners(self) -> int:
-        """How many learners train: every rank, or one per node under a hierarchy (known before set-up)."""
+        """How many learners train: every rank, or one per node under a hierarchy, or the replica groups under
+        ``fault_tolerance`` (known before set-up)."""
+        if self.fault_tolerance is not None:
+            return self.fault_tolerance.num_replica_groups
         return self.world_size if self.hierarchy is None else self.num_nodes
 
     @property
@@ -283,8 +302,11 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
     def consensus(self, purpose: str) -> Tensor:
         """The one model every rank evaluates, checkpoints and ends ``fit`` with (a collective).
 
-        The average of the replicas here; a parameter server's global model in DownpourSGD.
+        The average of the replicas here (under ``fault_tolerance`` the last model the groups committed); a parameter
+        server's global model in DownpourSGD.
         """
+        if self._windows is not None:
+            return self._windows.anchor.to(self.root_device, copy=True)
         return self.average_all(purpose)
 
     # ------------------------------------------------------------ Lightning hooks
@@ -346,11 +368,13 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self.end_due_window()
         trainer = self.lightning_module.trainer
         if trainer.global_step != self._last_logged_step and trainer.global_step % trainer.log_every_n_steps == 0:
             self._last_logged_step = trainer.global_step
             self.log_progress()
         self.show_comm_stats()
+        self.show_fault_tolerance()
 
     def log_progress(self) -> None:
         """Logging every ``log_every_n_steps`` during training: the summed counters (a collective)."""
@@ -375,6 +399,8 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        if self._is_fitting():
+            self.end_due_window()
         if self._is_fitting() and not self._replicas_in_sync:
             self._evaluation_stash = self.model_vector.get()
             self.model_vector.set(self.consensus("evaluation"))
@@ -387,6 +413,9 @@ class LocalUpdateStrategy(ReplicaAveraging, ReplicaCheckpoints, DDPStrategy):
 
     def on_train_end(self) -> None:
         super().on_train_end()
+        self.end_due_window()
+        if self._windows is not None and not self._replicas_in_sync:  # every group ends fit with a window
+            self.end_window("final")
         if not self._replicas_in_sync:
             consensus = self.consensus("final")
             self.set_common_model(consensus)

@@ -90,6 +90,7 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
     """
 
     strategy_name = "periodic_avg"
+    supports_fault_tolerance = True
 
     def __init__(
         self,
@@ -118,6 +119,13 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             raise ValueError(
                 f"compression needs client_fraction=1 (got {client_fraction}): FedAvg's rounds average a subset of "
                 "the ranks, whose models share no common model to send deltas from"
+            )
+        if kwargs.get("fault_tolerance") is not None and (streams or client_fraction < 1 or kwargs.get("compression")):
+            raise ValueError(
+                "fault_tolerance supports blocking, uncompressed periodic averaging and DiLoCo over every group; got "
+                f"fragments={fragments}, fragment_sync_delay={fragment_sync_delay}, fragment_update_alpha="
+                f"{fragment_update_alpha}, client_fraction={client_fraction}, compression={kwargs.get('compression')!r} "
+                "(streaming, FedAvg's subsets and compressed exchanges between replica groups are not built yet)"
             )
         super().__init__(seed=seed, **kwargs)
         self.period = period
@@ -172,7 +180,7 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 # One fragment taken whole: every replica now holds the same model.
                 self._replicas_in_sync = self.plan.fragments == 1 and self.plan.alpha == 0
             return
-        if step % self.period != 0:
+        if step % self.period != 0 or self.fault_tolerance is not None:  # fault_tolerance: window_due
             return
         learners = self.learners.world_size  # ranks, or nodes under a hierarchy
         participants = sample_participants(learners, self.client_fraction, self._generator)
@@ -231,7 +239,13 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         """Kept: the rounds count global steps, and DiLoCo's reference and outer momentum are one model's."""
         return state
 
+    def window_due(self) -> bool:
+        return not self._replicas_in_sync and self._local_steps > 0 and self._local_steps % self.period == 0
+
+    def fault_tolerant_outer_step(self) -> OuterStep | None:
+        return self._outer
+
     def protocol_metrics(self) -> dict[str, float]:
         if self._streaming is not None:
             return self._streaming.metrics()
-        return {} if self._outer is None else self._outer.metrics()
+        return {**self.fault_tolerance_metrics(), **({} if self._outer is None else self._outer.metrics())}

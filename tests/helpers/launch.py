@@ -87,3 +87,40 @@ def run_case_ranks(nprocs: int, worker: str, cases: dict[str, dict[str, Any]], o
     run_ranks(nprocs, worker, {"cases": list(cases.values())}, out_dir)
     per_rank = load_results(out_dir, nprocs)
     return {name: [per_rank[rank][index] for rank in range(nprocs)] for index, name in enumerate(cases)}
+
+
+def run_replica_groups(
+    groups: int, ranks_per_group: int, spec: dict[str, Any], out_dir: Path, restart_group: int | None = None,
+    timeout: float = 300,
+) -> dict[int, int]:
+    """``tests/workers/fault_tolerant.py``: ``groups`` torchrun jobs of ``ranks_per_group`` ranks each, one replica
+    group each, joined by a torchft Lighthouse in this process (heartbeats time out after 1 s, so a dead group
+    leaves the next quorum quickly). With ``restart_group``, that group's job is started again (``restart``) as
+    soon as it exits. Returns each job's exit code by group (the restarted one's under ``groups``)."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=1000)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "groups": groups, "lighthouse": lighthouse.address(),
+                                     "out": str(out_dir)}))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def launch(group: int, *extra: str) -> subprocess.Popen:
+        log = open(out_dir / f"group{group}{''.join(extra)}.log", "w")
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks_per_group}", "--nnodes=1",
+             "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKERS / "fault_tolerant.py"),
+             str(spec_path), str(group), *extra], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
+
+    jobs = {group: launch(group) for group in range(groups)}
+    try:
+        if restart_group is not None:
+            jobs[restart_group].wait(timeout=timeout)
+            jobs[groups] = launch(restart_group, "restart")
+        return {group: job.wait(timeout=timeout) for group, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.kill()
+        lighthouse.shutdown()

@@ -1,0 +1,155 @@
+"""The learners' exchange across replica groups that come and go: torchft's quorum behind a counted all-reduce.
+
+Under ``fault_tolerance`` (:mod:`lightning_dist.strategies._fault_tolerance`) every replica group (a node, or a
+single rank) is its own torchrun job, and the protocol runs between groups over torchft's ``Manager``
+(torchft 0.2.0, ``torchft.manager``): at the end of every synchronization window the healthy groups form a quorum
+through torchft's Lighthouse, local rank ``j`` of every group all-reduces its chunk of the model over torchft's
+reconfigurable Gloo group (torchft's ``group_rank`` is the local rank, as this package's slice groups), and
+``should_commit`` says whether the window's exchange completed everywhere in the group. A group that dies inside
+a window drops out of the next quorum (its heartbeat stops); one that dies inside the exchange makes it fail, and
+every group that saw the failure discards the window. A group that is behind (new, restarted, or one whose last
+commit failed) receives the live state from an up-to-date peer inside the quorum (torchft's checkpoint
+transport), nothing read from disk.
+
+:class:`QuorumCommunicator` is what the averaging code sees as the learners' communicator (``rank``,
+``world_size``, ``level``, ``all_reduce_sum_``, ``stats``), with the quorum's calls beside it. Its ``world_size``
+is the number of groups that contribute to this window (:meth:`QuorumCommunicator.count_contributors`), not
+torchft's participant count: a group that was healed in this quorum takes part in the all-reduce with zeros
+(its window trained from a model the others have left) and is not counted in the mean.
+
+torchft's ``Manager.allreduce`` does not raise: after a failure it logs, marks the step errored and turns the
+rest of the window's all-reduces into no-ops whose tensors hold garbage. The averaging code therefore writes
+its results where a rollback can undo them, and :meth:`QuorumCommunicator.commit` decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dist.comm.stats import CommStats
+
+log = logging.getLogger(__name__)
+
+
+def reaching_address(url: str) -> str:
+    """This host's address on the route to ``url``'s host (``http://host:port``): where the other groups reach it
+    (``socket.gethostname()``, torchft's default, can name a host only this machine resolves)."""
+    host_port = url.split("://", 1)[-1].rstrip("/")
+    host, _, port = host_port.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host.strip("[]") or host_port, int(port or 80)))  # UDP: nothing is sent
+        return probe.getsockname()[0]
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One window's quorum as this group saw it: torchft's quorum id, the groups in it, how many contribute."""
+
+    quorum_id: int
+    groups: int
+    contributors: int
+
+
+class QuorumCommunicator:
+    """The learners' communicator over torchft's ``Manager`` for one rank of a replica group (see the module).
+
+    Args:
+        manager: the rank's torchft ``Manager`` (``use_async_quorum=False``: a healed group's state is applied
+            before the window's all-reduces, by the state-dict functions registered on it).
+        counted_by: the strategy's communicator, whose counters these bytes go into (level ``inter_node``).
+        timeout: named in failures.
+    """
+
+    level = "inter_node"
+
+    def __init__(self, manager: Any, counted_by: Any, timeout: timedelta) -> None:
+        self.manager = manager
+        self._counted_by = counted_by
+        self.timeout = timeout
+        self.rank = 0
+        self.world_size = 1
+        self.membership: Membership | None = None
+        self.healed = False
+        self.on_membership: Callable[[Membership | None, Membership], None] | None = None
+
+    @property
+    def stats(self) -> CommStats:
+        return self._counted_by.stats
+
+    def begin_window(self) -> None:
+        """Form this window's quorum (blocking; torchft heals this group here if it is behind)."""
+        self.healed = False
+        self.manager.start_quorum()
+
+    def count_contributors(self, contributes: bool, device: torch.device) -> int:
+        """How many groups contribute to this window (an all-reduce of one flag); sets ``rank`` and ``world_size``.
+
+        A group contributes unless it was healed in this quorum. 0 when the exchange failed (nothing to average).
+        """
+        flag = torch.tensor([1.0 if contributes else 0.0], dtype=torch.float64, device=device)
+        total = self.all_reduce_sum_(flag, "protocol")
+        contributors = 0 if self.manager.errored() is not None else int(round(float(total[0])))
+        self.rank = self.manager.participating_rank() or 0
+        self.world_size = max(contributors, 1)
+        membership = Membership(self.manager._quorum_id, self.manager.num_participants(), contributors)
+        if self.on_membership is not None and membership != self.membership:
+            self.on_membership(self.membership, membership)
+        self.membership = membership
+        return contributors
+
+    def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
+        """Sum ``tensor`` over the quorum's groups in place (garbage if the exchange failed: see :meth:`commit`).
+
+        Counted as a ring's share over the quorum's groups, as :meth:`Communicator.record_all_reduce`.
+        """
+        self.manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        groups = max(self.manager.num_participants(), 1)
+        total = 2 * (groups - 1) * tensor.numel() * tensor.element_size()
+        rank = self.manager.participating_rank() or 0
+        share = total // groups + (total % groups if rank == 0 else 0)
+        self.stats.record(purpose, share, 2 * (groups - 1), self.level)
+        return tensor
+
+    def failed(self) -> bool:
+        """Whether this window's exchange failed on this rank so far (its results are garbage)."""
+        return self.manager.errored() is not None
+
+    def commit(self) -> bool:
+        """torchft's ``should_commit``: whether every rank of this group completed the window's exchange with
+        enough groups (``min_replicas``); the same answer on every rank of the group."""
+        return bool(self.manager.should_commit())
+
+    def close(self) -> None:
+        """Stop this rank's Manager (and, on the group's rank 0, its server)."""
+        self.manager.shutdown(wait=False)
+
+
+def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, lighthouse: str,
+                    min_replicas: int, timeout: timedelta, quorum_timeout: timedelta,
+                    state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> Any:
+    """A torchft ``Manager`` for this rank of its replica group: torchft's reconfigurable Gloo group between
+    groups, the group's own store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``, which Lightning's process group
+    has started), synchronous quorums, and ``state_dict``/``load_state_dict`` as what a behind group receives.
+
+    No ``init_sync``: torchft would then heal every group but one at step 0, and it picks the source per local rank
+    (local rank ``j`` from the ``j``-th group), so a group's ranks would start from different groups' models. The
+    first window averages the groups' start models instead (equal when every group seeds its model alike)."""
+    from torchft import Manager, ProcessGroupGloo
+
+    host = reaching_address(lighthouse)
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+        min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout,
+        connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
+        store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+        lighthouse_addr=lighthouse, replica_id=replica_id, hostname=host, init_sync=False,
+    )

@@ -1,0 +1,397 @@
+"""``fault_tolerance``: a lost replica group costs at most one synchronization window, not a restart.
+
+Each replica group (a node under ``hierarchy="node"``, else a single rank) is its own torchrun job; a torchft
+Lighthouse, started once, forms a quorum of the healthy groups at the end of every window
+(:mod:`lightning_dist.comm.quorum`). Inside a group nothing changes (DDP under a hierarchy); between groups a
+window ends as torchft's DiLoCo ends one (``torchft/local_sgd.py``), in this package's buckets:
+
+1. **Quorum.** The healthy groups meet; a group that is behind (new, restarted, or whose last commit failed)
+   receives the live state from an up-to-date peer right there (:meth:`FaultTolerantWindows.recovery_state`):
+   the last committed model, the protocol's state (DiLoCo's reference and outer momentum), the counters, this
+   local rank's optimizer state and, for a group joining at the start of its ``fit``, Lightning's loops and
+   schedulers. Nothing is read from disk.
+2. **Exchange.** Every group that was not healed in this quorum contributes its replica; a healed one sends zeros
+   (its window trained from a model the others have left) and the mean divides by the contributors only. Each
+   bucket's mean is written into the model as it arrives (no copy of the model on the device).
+3. **Commit or roll back.** torchft's ``should_commit``: if the exchange completed on every rank of the group with
+   at least ``min_replicas`` groups, DiLoCo's outer step runs from the mean and the result becomes the new
+   committed model (the *anchor*, kept on the host as torchft keeps its backup); otherwise the model returns to
+   the anchor and the window is discarded, said in the log. A group whose commit failed while others committed
+   is behind, and is healed at the next quorum.
+
+A group that dies inside a window is simply absent from the next quorum (its heartbeat stops), and the others
+average without it: its window is the only work lost. A group that dies inside the exchange makes the exchange
+fail for the others, which roll back that one window.
+
+Validation and checkpoints between windows see the anchor, the last model every group agreed on (a consensus
+over groups outside a window would be a collective the groups do not meet for); at a window's end that is the
+average, as without the option.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+from lightning_dist.algorithms.arguments import check_count
+from lightning_dist.algorithms.outer import OuterStep
+from lightning_dist.comm import Communicator, new_group
+from lightning_dist.comm.communicator import HOST
+from lightning_dist.comm.nodes import NodeLayout
+from lightning_dist.comm.quorum import Membership, QuorumCommunicator, torchft_manager
+from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies._bucketed_average import bucket_bounds
+from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
+from lightning_dist.strategies._fragment_exchange import Lanes, exchanges
+from lightning_dist.strategies._hierarchy import NodeHierarchy
+
+log = logging.getLogger(__name__)
+
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+"""The environment variable that names a job's replica group when ``TorchFT(replica_group=None)`` (torchft's)."""
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+"""The environment variable with the Lighthouse's address when ``TorchFT(lighthouse=None)`` (torchft's)."""
+
+
+@dataclass(frozen=True)
+class TorchFT:
+    """The ``fault_tolerance`` option: synchronize replica groups through torchft (see the module docstring).
+
+    Args:
+        num_replica_groups: how many replica groups the run has (each its own torchrun job): the data is cut into
+            this many shards, group ``g`` training on shard ``g`` whether or not the others are alive.
+        min_replicas: the fewest groups a window may commit with (torchft's ``min_replica_size``), in
+            ``[1, num_replica_groups]``. Default 1: the survivors go on whatever is lost.
+        replica_group: this job's group, in ``[0, num_replica_groups)``; None (default): the ``REPLICA_GROUP_ID``
+            environment variable (torchft's convention), read when the job sets the strategy up.
+        lighthouse: the Lighthouse's address (``http://host:port``); None (default): ``TORCHFT_LIGHTHOUSE``.
+        timeout: how long one exchange, commit or recovery may take before it counts as failed.
+        quorum_timeout: how long a group waits for a quorum. A restarted group waits there for the others to end
+            their window, so this must exceed a window's length. Default 30 minutes.
+    """
+
+    num_replica_groups: int
+    min_replicas: int = 1
+    replica_group: int | None = None
+    lighthouse: str | None = None
+    timeout: timedelta = field(default=timedelta(seconds=60))
+    quorum_timeout: timedelta = field(default=timedelta(minutes=30))
+
+    def __post_init__(self) -> None:
+        check_count("num_replica_groups", self.num_replica_groups, 1, meaning=" (torchrun jobs synchronized by torchft)")
+        check_count("min_replicas", self.min_replicas, 1, self.num_replica_groups,
+                    " (the fewest replica groups a window may commit with)")
+        if self.replica_group is not None:
+            check_count("replica_group", self.replica_group, 0, self.num_replica_groups - 1)
+        for name in ("timeout", "quorum_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+                raise ValueError(f"{name} must be a positive datetime.timedelta; got {value!r}")
+
+    def group(self) -> int:
+        """This job's replica group: ``replica_group``, else ``REPLICA_GROUP_ID``, checked against the range."""
+        if self.replica_group is not None:
+            return self.replica_group
+        value = os.environ.get(REPLICA_GROUP_ENV)
+        if value is None or not value.isdigit():
+            raise ValueError(
+                f"fault_tolerance needs this job's replica group: pass TorchFT(replica_group=...) or set "
+                f"{REPLICA_GROUP_ENV} to an integer in [0, {self.num_replica_groups}); got {value!r}"
+            )
+        return check_count(REPLICA_GROUP_ENV, int(value), 0, self.num_replica_groups - 1)
+
+    def lighthouse_address(self) -> str:
+        """``lighthouse``, else ``TORCHFT_LIGHTHOUSE``."""
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not address:
+            raise ValueError(f"fault_tolerance needs the Lighthouse's address: pass TorchFT(lighthouse=...) or set "
+                             f"{LIGHTHOUSE_ENV} (http://host:port)")
+        return address
+
+
+class FaultTolerantWindows:
+    """One rank's end of a window between replica groups: quorum, exchange, commit or roll back (module docstring).
+
+    Args:
+        vector: the model as one vector.
+        lanes: the job's communicator and the hierarchy whose ``inter_node`` is the :class:`QuorumCommunicator`.
+        anchor_device: where the committed model lives between windows (the host by default).
+        check_finite: a collective inside the group that raises, naming the ranks, if this rank's model is not
+            finite (a group never sends a non-finite model; the error stops it, and the others go on without it).
+        group_any: a collective inside the group: whether any of its ranks' flags is true. torchft heals each
+            local rank on its own (from the group its local rank maps to); the group contributes only if none was.
+    """
+
+    def __init__(self, vector: ModelVector, lanes: Lanes, anchor_device: torch.device,
+                 check_finite: Callable[[], None], group_any: Callable[[bool], bool]) -> None:
+        assert lanes.hierarchy is not None and isinstance(lanes.hierarchy.inter_node, QuorumCommunicator)
+        self.vector = vector
+        self.lanes = lanes
+        self.quorum: QuorumCommunicator = lanes.hierarchy.inter_node
+        self.check_finite = check_finite
+        self.group_any = group_any
+        self.buckets = exchanges(bucket_bounds(vector.numel), vector.num_parameters, lanes.hierarchy, None,
+                                 vector.parameters[0].device, None)
+        self.anchor = vector.get().to(anchor_device, copy=True)
+        self.commits = 0
+        self.discarded = 0
+        self.unshown = False
+        self.quorum.on_membership = self._log_membership
+
+    def window(self, purpose: str, outer: OuterStep | None) -> bool:
+        """End a window: quorum, exchange, commit (True) or roll back to the anchor (False)."""
+        self.quorum.begin_window()
+        self.quorum.healed = self.group_any(self.quorum.healed)
+        contributes = not self.quorum.healed
+        if contributes:
+            self.check_finite()
+        contributors = self.quorum.count_contributors(contributes, self.anchor.device)
+        for bucket in self.buckets:
+            fragment = self.vector.get_range(bucket.start, bucket.stop)
+            if not contributes:
+                fragment.zero_()
+            self.vector.set_range(bucket.start, bucket.mean(self.lanes, fragment, purpose))
+        committed = self.quorum.commit() and contributors > 0
+        for start, stop in bucket_bounds(self.vector.numel, None if outer is None else outer.bucket):
+            if committed:
+                if outer is not None:
+                    mean = self.vector.get_range(start, stop, dtype=outer.reference.dtype).to(outer.reference.device)
+                    self.vector.set_range(start, outer.step_range(start, mean))
+                self.anchor[start:stop].copy_(self.vector.get_range(start, stop))
+            else:
+                self.vector.set_range(start, self.anchor[start:stop])
+        self.unshown = True
+        if committed:
+            self.commits += 1
+        else:
+            self.discarded += 1
+            log.warning("lightning_dist: replica group window discarded (%s): every replica is back at the last "
+                        "committed model", "the exchange failed" if self.quorum.failed() else
+                        f"fewer than min_replicas groups, or another rank of this group failed")
+        return committed
+
+    def _log_membership(self, before: Membership | None, now: Membership) -> None:
+        log.warning("lightning_dist: quorum %s: %d replica group(s), %d contributing (was %s)", now.quorum_id,
+                    now.groups, now.contributors, "none" if before is None else f"{before.groups}")
+
+    def metrics(self) -> dict[str, float]:
+        """``ft/*`` counters for the loggers and the progress bar: the groups now, commits, discarded windows."""
+        membership = self.quorum.membership
+        return {"ft/groups": float(0 if membership is None else membership.groups),
+                "ft/commits": float(self.commits), "ft/discarded": float(self.discarded)}
+
+
+def lightning_training_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """What a group joining in the middle of a run takes from a peer besides the model and the protocol: the fit
+    loop's progress and the learning-rate schedulers (Lightning's own checkpoint keys)."""
+    return {"loops": {"fit_loop": trainer.fit_loop.state_dict()},
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "epoch": trainer.current_epoch, "global_step": trainer.global_step}
+
+
+def joined_checkpoint(trainer: pl.Trainer, received: Mapping[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
+    """A checkpoint in Lightning's format for the joining group's restore after set-up: its model as it is now
+    (the committed one), the peer's loops, schedulers and this local rank's optimizer state."""
+    module = trainer.lightning_module
+    return {"state_dict": module.state_dict(), "optimizer_states": optimizer_states,
+            "pytorch-lightning_version": pl.__version__, **received}
+
+
+def on_host(state: Any) -> Any:
+    """``state`` with every tensor copied to the host (what a peer sends must not change while it is sent)."""
+    return apply_to_collection(state, Tensor, lambda tensor: tensor.detach().to("cpu", copy=True))
+
+
+class ReplicaGroups:
+    """``fault_tolerance`` in :class:`~lightning_dist.strategies.local_update.LocalUpdateStrategy`: mixed in ahead
+    of its averaging; every method is a no-op or refusal without the option.
+
+    A strategy that supports the option sets ``supports_fault_tolerance`` and ends its windows with
+    :meth:`end_window`; the others refuse it by name when built.
+    """
+
+    supports_fault_tolerance = False
+    fault_tolerance_unsupported = ""
+    """What the strategy's refusal of ``fault_tolerance`` adds (why, or what it would take)."""
+
+    def check_fault_tolerance(self, option: TorchFT | None) -> TorchFT | None:
+        """``option`` if it is None, or a :class:`TorchFT` this strategy supports."""
+        if option is None:
+            return None
+        if not isinstance(option, TorchFT):
+            raise ValueError(f"fault_tolerance must be None or a lightning_dist.strategies.TorchFT; got {option!r}")
+        if not self.supports_fault_tolerance:
+            raise ValueError(f"{type(self).__name__} does not support fault_tolerance{self.fault_tolerance_unsupported}")
+        return option
+
+    def check_replica_group_layout(self) -> None:
+        """Before launch: a job is one replica group, so it runs on one node, and without a hierarchy on one rank."""
+        if self.num_nodes != 1:
+            raise ValueError(
+                f"fault_tolerance makes every replica group its own torchrun job on one node; got num_nodes="
+                f"{self.num_nodes} (launch one job per node, each with TorchFT(replica_group=...) or REPLICA_GROUP_ID)"
+            )
+        if self.hierarchy is None and self.num_processes != 1:
+            raise ValueError(
+                f"fault_tolerance with hierarchy=None makes every rank a replica group, its own job of one process; "
+                f"got devices={self.num_processes} (use hierarchy='node' for DDP among a group's ranks)"
+            )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Under ``fault_tolerance`` group ``g``'s ranks read shard ``g`` of ``num_replica_groups`` (each rank its
+        part of it), as the ranks of node ``g`` would in one job; otherwise Lightning's."""
+        if self.fault_tolerance is None:
+            return super().distributed_sampler_kwargs  # type: ignore[misc]
+        ranks = self.num_processes
+        return {"num_replicas": self.fault_tolerance.num_replica_groups * ranks,
+                "rank": self.fault_tolerance.group() * ranks + self.global_rank}
+
+    def replica_group_hierarchy(self) -> NodeHierarchy:
+        """The job's ranks as one node whose ``inter_node`` is torchft's quorum (every rank its own Manager, its
+        chunk of the model exchanged with the same local rank of the other groups)."""
+        option = self.fault_tolerance
+        assert option is not None
+        group = option.group()
+        layout = NodeLayout((tuple(range(self.comm.world_size)),))
+        node = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout),
+                            "intra_node", counted_by=self.comm)
+        manager = torchft_manager(
+            group_rank=self.comm.rank, group_world_size=self.comm.world_size, replica_id=f"lightning_dist_{group}",
+            lighthouse=option.lighthouse_address(), min_replicas=option.min_replicas, timeout=option.timeout,
+            quorum_timeout=option.quorum_timeout, state_dict=self.recovery_state, load_state_dict=self.load_recovery_state)
+        return NodeHierarchy(layout, node, QuorumCommunicator(manager, self.comm, option.timeout))
+
+    def join_replica_groups(self) -> None:
+        """The first window, at set-up: every group meets the others (a fresh run: the first group's start model
+        for all, torchft's ``init_sync``; a restarted group: the live state of a peer once the others end their
+        window). A group joining a run in progress has Lightning restore the peer's loops, schedulers and optimizer
+        state after set-up, as from a checkpoint (not read from disk)."""
+        assert self._hierarchy is not None
+        self._windows = FaultTolerantWindows(self.model_vector, Lanes(self.comm, self._hierarchy), HOST,
+                                             lambda: self.raise_unless_finite(self.model_vector.all_finite()),
+                                             self.group_any)
+        committed = self.end_window("setup")
+        joined, self._joined = self._joined, None
+        # Committed and healed are the same on every rank of the job; a failed join is retried at the next window.
+        if committed and joined is not None and joined["training"] is not None and joined["training"]["global_step"] > 0:
+            trainer = self.lightning_module.trainer
+            trainer._checkpoint_connector._loaded_checkpoint = joined_checkpoint(
+                trainer, joined["training"], joined["optimizers"])
+
+    def window_due(self) -> bool:
+        """Whether this rank's window has ended and not yet been synchronized (the same on every rank: a count of
+        optimizer steps)."""
+        return False
+
+    def end_due_window(self) -> None:
+        """End the window that is due, if any: at the start of the next batch, before validation, or at the end of
+        ``fit``. Not inside the optimizer step that ends it: there Lightning has not yet counted that step, its
+        batch or its learning-rate schedulers as done, and a group joining then would take a state one step behind
+        the model it receives."""
+        if self._windows is not None and self.window_due():
+            self.end_window("protocol")
+            self._syncs += 1
+
+    def end_window(self, purpose: str) -> bool:
+        """End this window between the groups (:meth:`FaultTolerantWindows.window`); True if it was committed.
+
+        A healed group's ranks may have received their optimizer states from different peers (torchft picks the
+        source per local rank); DDP keeps a group's ranks in step only from one state, so local rank 0's is
+        shared with the others."""
+        assert self._windows is not None
+        committed = self._windows.window(purpose, self.fault_tolerant_outer_step())
+        self._replicas_in_sync = True
+        if self._windows.quorum.healed and self.comm.world_size > 1:
+            self.share_optimizer_states()
+        return committed
+
+    def group_any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank of this job (an all-reduce of one integer inside it)."""
+        total = self.comm.all_reduce_sum_(torch.tensor([int(flag)], dtype=torch.int64, device=self.root_device),
+                                          "protocol")
+        return bool(total[0] > 0)
+
+    def share_optimizer_states(self) -> None:
+        """Local rank 0's optimizer states (received from a peer) on every rank of the job, counted as
+        ``checkpoint``; kept for Lightning's restore while ``fit`` is being set up, else loaded now."""
+        joining = self._joined is not None
+        states = self._joined["optimizers"] if joining else [optimizer.state_dict() for optimizer in self.optimizers]
+        if self.comm.rank == 0:
+            payload = pack_replica({"optimizers": on_host(states)})
+            for rank in range(1, self.comm.world_size):
+                self.comm.send_object(payload, rank, "checkpoint", self.root_device)
+            return
+        states = unpack_replica(self.comm.receive_object(0, self.root_device))["optimizers"]
+        if joining:
+            self._joined["optimizers"] = states
+            return
+        for optimizer, saved in zip(self.optimizers, states):
+            optimizer.load_state_dict(saved)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    def fault_tolerant_outer_step(self) -> OuterStep | None:
+        """DiLoCo's outer step a committed window takes from the mean (None: the mean itself)."""
+        return None
+
+    def recovery_state(self) -> dict[str, Any]:
+        """What this rank sends a group that is behind (torchft calls it in its quorum thread, while this rank's
+        training thread waits for the quorum): the committed model, protocol state, counters, this rank's optimizer
+        state and Lightning's training state; copies on the host, counted under ``checkpoint``."""
+        assert self._windows is not None
+        trainer = self.lightning_module.trainer
+        state = on_host({"anchor": self._windows.anchor, "protocol": self.protocol_state_dict(),
+                         "local_steps": self._local_steps, "syncs": self._syncs,
+                         "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                         "training": lightning_training_state(trainer) if self.optimizers else None})
+        num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(state))
+        self.comm.stats.record("checkpoint", num_bytes, 1, "inter_node")
+        return state
+
+    def load_recovery_state(self, state: Mapping[str, Any]) -> None:
+        """Take a peer's :meth:`recovery_state` (in torchft's quorum, before this window's exchange): the optimizer
+        state now if training has started, else kept for Lightning's restore after set-up."""
+        assert self._windows is not None
+        self._windows.anchor.copy_(state["anchor"])
+        self.load_protocol_state_dict(state["protocol"])
+        self._local_steps, self._syncs = state["local_steps"], state["syncs"]
+        if self.optimizers:
+            for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+                optimizer.load_state_dict(saved)
+                _optimizer_to_device(optimizer, self.root_device)
+        else:
+            self._joined = {"optimizers": state["optimizers"], "training": state["training"]}
+        self._windows.quorum.healed = True
+
+    def show_fault_tolerance(self) -> None:
+        """The groups in the last quorum, commits and discarded windows in the progress bar once a window has ended
+        since they were last shown (no collective; from a training hook, as ``show_comm_stats``)."""
+        module = self.lightning_module
+        if self._windows is None or not self._windows.unshown or module.trainer.progress_bar_callback is None:
+            return
+        self._windows.unshown = False
+        for name, value in self.fault_tolerance_metrics().items():
+            module.log(name, torch.tensor(value, dtype=torch.float64), prog_bar=True, logger=False, on_step=True,
+                       on_epoch=False, batch_size=1)
+
+    def fault_tolerance_metrics(self) -> dict[str, float]:
+        """``ft/*`` (the groups in the last quorum, commits, discarded windows) under ``fault_tolerance``."""
+        return {} if self._windows is None else self._windows.metrics()
+
+
+def tensors_in(state: Any) -> list[Tensor]:
+    """Every tensor in a nested state (dicts, lists, tuples)."""
+    found: list[Tensor] = []
+    apply_to_collection(state, Tensor, found.append)
+    return found

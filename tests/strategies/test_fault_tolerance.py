@@ -1,0 +1,170 @@
+"""``fault_tolerance=TorchFT(...)``: replica groups as separate torchrun jobs joined by an in-process torchft Lighthouse,
+with failures injected as torchft's own integration tests do (a group's processes exit, once inside a window and once
+inside the exchange, and one is started again); refusals by name."""
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+
+from helpers.launch import load_results, run_nodes, run_replica_groups
+from lightning_dist.strategies import DynamicAveragingStrategy, PeriodicAveragingStrategy, TorchFT
+
+PERIOD = 4
+
+
+def group_results(out, name, groups, ranks, restarted=()):
+    """``{group: [rank 0's result, ...]}`` (a restarted group's second job under ``"<group>_restart"``)."""
+    results = {group: [torch.load(out / name / f"group{group}_rank{rank}.pt", weights_only=False) for rank in range(ranks)]
+               for group in range(groups) if group not in restarted}
+    for group in restarted:
+        results[f"{group}_restart"] = [torch.load(out / name / f"group{group}_rank{rank}_restart.pt", weights_only=False)
+                                       for rank in range(ranks)]
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fault_tolerance")
+    results = {}
+    # DiLoCo, one rank per group: group 2 dies in the exchange of the window ending at step 8 (its second all-reduce
+    # there: the first of the model's buckets), and its job is started again at once; it rejoins a window later.
+    codes = run_replica_groups(3, 1, {"name": "rejoin", "max_steps": 48, "bucket": 2000, "step_sleep": 0.5,
+                                      "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True},
+                                      "kill": {"group": 2, "window": 3, "all_reduce": 2}},
+                               out, restart_group=2)
+    results["rejoin"] = (codes, group_results(out, "rejoin", 3, 1, restarted=(2,)))
+    # Periodic averaging, one learner per group of 2 ranks (DDP inside): group 2 dies inside the second window.
+    codes = run_replica_groups(3, 2, {"name": "node_loss", "max_steps": 16, "start_barrier": True,
+                                      "strategy": {"period": PERIOD, "hierarchy": "node"},
+                                      "kill": {"group": 2, "step": 6}}, out / "node_loss_jobs")
+    results["node_loss"] = (codes, group_results(out / "node_loss_jobs", "node_loss", 2, 2))
+    # No failure: DiLoCo on 2 groups of 2 ranks, against the same fit without the option on 2 nodes of 2 ranks.
+    spec = {"max_steps": 12, "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True, "hierarchy": "node"}}
+    run_replica_groups(2, 2, {**spec, "name": "no_failure"}, out / "no_failure_jobs")
+    results["no_failure"] = group_results(out / "no_failure_jobs", "no_failure", 2, 2)
+    run_nodes(2, 2, "fault_tolerant", {**spec, "name": "plain", "plain": True, "groups": 2}, out / "plain_jobs")
+    results["plain"] = group_results(out / "plain_jobs", "plain", 2, 2)
+    return results
+
+
+def windows_of(result):
+    return [(window["purpose"], window["local_steps"], window["committed"], window["healed"],
+             window["membership"]["groups"], window["membership"]["contributors"]) for window in result["windows"]]
+
+
+def test_survivors_roll_back_a_failed_exchange_and_go_on(runs):
+    codes, results = runs["rejoin"]
+    assert codes[0] == codes[1] == codes[3] == 0 and codes[2] != 0  # group 2's first job died, its second finished
+    survivor = results[0][0]
+    windows = {window["local_steps"]: window for window in survivor["windows"]}
+    # The window ending at step 8 lost a member mid-exchange: discarded, every replica back at step 4's result.
+    assert not windows[8]["committed"] and windows[4]["committed"] and windows[12]["committed"]
+    assert torch.equal(windows[8]["after"], windows[4]["after"])
+    assert survivor["metrics"]["ft/discarded"] == 1.0
+    # Every window of both survivors was the same, and they never stopped: 48 steps, 12 windows and set-up.
+    assert windows_of(results[0][0]) == windows_of(results[1][0])
+    assert results[0][0]["global_step"] == results[1][0]["global_step"] == 48
+
+
+def test_restarted_group_rejoins_with_the_live_state(runs):
+    _, results = runs["rejoin"]
+    joined = results["2_restart"][0]
+    first = joined["windows"][0]
+    assert first["purpose"] == "setup" and first["healed"] and first["committed"]
+    assert first["membership"]["contributors"] == first["membership"]["groups"] - 1  # its window was not counted
+    steps = first["local_steps"]
+    assert steps % PERIOD == 0 and 8 < steps < 48
+    survivor = {window["local_steps"]: window for window in results[0][0]["windows"]}
+    # Bit for bit the others' model after its first window (DiLoCo's reference and momentum came from a peer), and
+    # every window after it with all three contributing.
+    assert torch.equal(first["after"], survivor[steps]["after"])
+    for window in joined["windows"][1:]:
+        assert window["membership"]["contributors"] == 3 and torch.equal(window["after"],
+                                                                         survivor[window["local_steps"]]["after"])
+    assert joined["global_step"] == 48
+    assert torch.equal(joined["final"], results[0][0]["final"]) and torch.equal(joined["final"], results[1][0]["final"])
+
+
+def test_survivors_average_their_own_work_when_a_node_dies_inside_a_window(runs):
+    codes, results = runs["node_loss"]
+    assert codes[0] == codes[1] == 0 and codes[2] != 0
+    first, second = (results[group][0] for group in (0, 1))
+    window = {0: {w["local_steps"]: w for w in first["windows"]}, 1: {w["local_steps"]: w for w in second["windows"]}}
+    assert window[0][8]["membership"] == {"quorum_id": window[0][8]["membership"]["quorum_id"], "groups": 2,
+                                          "contributors": 2}
+    # The two survivors' replicas at step 8, averaged: exactly what every rank of both holds after the window.
+    mean = (window[0][8]["before"] + window[1][8]["before"]) / 2
+    for group in (0, 1):
+        for rank in range(2):
+            rank_windows = {w["local_steps"]: w for w in results[group][rank]["windows"]}
+            assert torch.equal(rank_windows[8]["after"], mean)
+            assert all(w["committed"] for w in rank_windows.values())
+    assert first["global_step"] == 16 and torch.equal(first["final"], second["final"])
+
+
+def test_no_failure_equals_the_run_without_the_option(runs):
+    tolerant, plain = runs["no_failure"], runs["plain"]
+    for group in (0, 1):
+        for rank in range(2):
+            assert torch.equal(tolerant[group][rank]["final"], plain[group][rank]["final"])
+            # A window ends at the next batch's start under the option, inside the optimizer step without it.
+            windows = {window["local_steps"]: window["after"] for window in tolerant[group][rank]["windows"]}
+            for step, vector in plain[group][rank]["after_step"].items():
+                ours = windows[step] if step % PERIOD == 0 else tolerant[group][rank]["after_step"][step]
+                assert torch.equal(ours, vector), step
+    windows = tolerant[0][0]["windows"]
+    assert [window["local_steps"] for window in windows] == [0, 4, 8, 12]
+    assert all(window["committed"] and window["membership"]["contributors"] == 2 for window in windows[1:])
+    assert tolerant[0][0]["metrics"]["ft/groups"] == 2.0 and tolerant[0][0]["metrics"]["ft/commits"] == 4.0
+
+
+def option(**kwargs):
+    return TorchFT(**{"num_replica_groups": 3, "replica_group": 0, "lighthouse": "http://127.0.0.1:1", **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_replica_groups": 0}, "num_replica_groups must be an integer >= 1"),
+    ({"min_replicas": 4}, r"min_replicas must be an integer in \[1, 3\]"),
+    ({"replica_group": 3}, r"replica_group must be an integer in \[0, 2\]"),
+    ({"timeout": timedelta(0)}, "timeout must be a positive datetime.timedelta"),
+])
+def test_torchft_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        option(**kwargs)
+
+
+def test_replica_group_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    assert option(replica_group=None).group() == 2
+    monkeypatch.setenv("REPLICA_GROUP_ID", "5")
+    with pytest.raises(ValueError, match=r"REPLICA_GROUP_ID must be an integer in \[0, 2\]"):
+        option(replica_group=None).group()
+    monkeypatch.delenv("REPLICA_GROUP_ID")
+    with pytest.raises(ValueError, match="REPLICA_GROUP_ID"):
+        option(replica_group=None).group()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"compression": "int8"}, "compression='int8'"),
+    ({"fragments": 2}, "fragments=2"),
+    ({"client_fraction": 0.5}, "client_fraction=0.5"),
+])
+def test_periodic_refuses_what_is_not_built_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PeriodicAveragingStrategy(period=4, fault_tolerance=option(), **kwargs)
+
+
+def test_other_strategies_refuse_fault_tolerance_by_name():
+    with pytest.raises(ValueError, match="DynamicAveragingStrategy does not support fault_tolerance"):
+        DynamicAveragingStrategy(fault_tolerance=option())
+
+
+@pytest.mark.parametrize("trainer, match", [
+    ({"devices": 1, "num_nodes": 2}, "num_nodes=2"),
+    ({"devices": 2, "num_nodes": 1}, "hierarchy=None makes every rank a replica group"),
+])
+def test_a_job_is_one_replica_group(trainer, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(strategy=PeriodicAveragingStrategy(fault_tolerance=option()), accelerator="cpu", **trainer)
