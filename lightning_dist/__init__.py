@@ -15,6 +15,7 @@ from lightning_dist.strategies import (
     NonFiniteModelError,
     PeriodicAveragingStrategy,
     SegmentedGossipStrategy,
+    TorchFT,
 )
 
 register_strategies()
@@ -30,6 +31,7 @@ __all__ = [
     "NonFiniteModelError",
     "PeriodicAveragingStrategy",
     "SegmentedGossipStrategy",
+    "TorchFT",
     "register_strategies",
 ]
 __version__ = "0.1.0"

@@ -137,19 +137,29 @@ def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, 
                     min_replicas: int, timeout: timedelta, quorum_timeout: timedelta,
                     state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> Any:
     """A torchft ``Manager`` for this rank of its replica group: torchft's reconfigurable Gloo group between
-    groups, the group's own store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``, which Lightning's process group
+    groups, its servers advertised at this host's address on the route to the Lighthouse, the group's own store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``, which Lightning's process group
     has started), synchronous quorums, and ``state_dict``/``load_state_dict`` as what a behind group receives.
 
     No ``init_sync``: torchft would then heal every group but one at step 0, and it picks the source per local rank
     (local rank ``j`` from the ``j``-th group), so a group's ranks would start from different groups' models. The
     first window averages the groups' start models instead (equal when every group seeds its model alike)."""
+    # torchft is an optional extra (``lightning-dist[torchft]``): imported only when the option is used.
     from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing import HTTPTransport
 
     host = reaching_address(lighthouse)
+
+    class ReachableHTTPTransport(HTTPTransport):
+        """torchft's HTTP checkpoint transport, advertised at ``host`` (torchft's names ``socket.gethostname()``)."""
+
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
     return Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout,
         connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
         store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
         lighthouse_addr=lighthouse, replica_id=replica_id, hostname=host, init_sync=False,
+        checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0),
     )

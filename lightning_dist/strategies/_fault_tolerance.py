@@ -30,6 +30,7 @@ average, as without the option.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -89,6 +90,8 @@ class TorchFT:
     quorum_timeout: timedelta = field(default=timedelta(minutes=30))
 
     def __post_init__(self) -> None:
+        if importlib.util.find_spec("torchft") is None:
+            raise ValueError("fault_tolerance needs torchft: pip install 'lightning-dist[torchft]' (torchft==0.2.0)")
         check_count("num_replica_groups", self.num_replica_groups, 1, meaning=" (torchrun jobs synchronized by torchft)")
         check_count("min_replicas", self.min_replicas, 1, self.num_replica_groups,
                     " (the fewest replica groups a window may commit with)")

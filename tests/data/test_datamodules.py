@@ -53,12 +53,25 @@ def test_train_loader_uses_the_trainers_rank(digits):
     loader = digits.train_dataloader()
     assert isinstance(loader.sampler, PartitionSampler)
     assert (loader.sampler.num_replicas, loader.sampler.rank) == (1, 0)
-    digits.trainer = SimpleNamespace(world_size=4, global_rank=2)
+    # A strategy without distributed_sampler_kwargs (Lightning's single-device ones): the Trainer's world and rank.
+    digits.trainer = SimpleNamespace(world_size=4, global_rank=2, strategy=SimpleNamespace())
     try:
         sampler = digits.train_dataloader().sampler
     finally:
         digits.trainer = None
     assert (sampler.num_replicas, sampler.rank, len(sampler)) == (4, 2, len(digits.train_set) // 4)
+
+
+def test_train_loader_takes_the_strategys_shard(digits):
+    """Where the strategy shards otherwise (fault_tolerance: group 1 of 3, one rank each, in a job of one rank), the
+    loader reads the strategy's shard, as Lightning's own distributed sampler would."""
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 3, "rank": 1})
+    digits.trainer = SimpleNamespace(world_size=1, global_rank=0, strategy=strategy)
+    try:
+        sampler = digits.train_dataloader().sampler
+    finally:
+        digits.trainer = None
+    assert (sampler.num_replicas, sampler.rank) == (3, 1)
 
 
 def test_reshuffled_split_deals_out_a_new_disjoint_split_every_epoch():
@@ -69,7 +82,7 @@ def test_reshuffled_split_deals_out_a_new_disjoint_split_every_epoch():
     for epoch in range(2):
         parts = []
         for rank in range(world_size):
-            datamodule.trainer = SimpleNamespace(world_size=world_size, global_rank=rank)
+            datamodule.trainer = SimpleNamespace(world_size=world_size, global_rank=rank, strategy=SimpleNamespace())
             loader = datamodule.train_dataloader()
             loader.sampler.set_epoch(epoch)
             parts.append(set(loader.sampler))
