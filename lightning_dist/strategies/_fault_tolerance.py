@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 """The environment variable that names a job's replica group when ``TorchFT(replica_group=None)`` (torchft's)."""
+FAULT_TOLERANCE_KEY = "fault_tolerance"
+"""Where the option's state sits in ``protocol_state_dict``."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """The environment variable with the Lighthouse's address when ``TorchFT(lighthouse=None)`` (torchft's)."""
 
@@ -354,7 +356,7 @@ class ReplicaGroups:
         state and Lightning's training state; copies on the host, counted under ``checkpoint``."""
         assert self._windows is not None
         trainer = self.lightning_module.trainer
-        state = on_host({"anchor": self._windows.anchor, "protocol": self.protocol_state_dict(),
+        state = on_host({"protocol": self.protocol_state_dict(),
                          "local_steps": self._local_steps, "syncs": self._syncs,
                          "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
                          "training": lightning_training_state(trainer) if self.optimizers else None})
@@ -366,8 +368,7 @@ class ReplicaGroups:
         """Take a peer's :meth:`recovery_state` (in torchft's quorum, before this window's exchange): the optimizer
         state now if training has started, else kept for Lightning's restore after set-up."""
         assert self._windows is not None
-        self._windows.anchor.copy_(state["anchor"])
-        self.load_protocol_state_dict(state["protocol"])
+        self.load_protocol_state_dict(state["protocol"])  # the committed model with it (fault_tolerance_state)
         self._local_steps, self._syncs = state["local_steps"], state["syncs"]
         if self.optimizers:
             for optimizer, saved in zip(self.optimizers, state["optimizers"]):
@@ -387,6 +388,22 @@ class ReplicaGroups:
         for name, value in self.fault_tolerance_metrics().items():
             module.log(name, torch.tensor(value, dtype=torch.float64), prog_bar=True, logger=False, on_step=True,
                        on_epoch=False, batch_size=1)
+
+    def fault_tolerance_state(self) -> dict[str, Any]:
+        """The part of ``protocol_state_dict`` the option adds: the last committed model (the same on every rank and
+        group), so a checkpoint written inside a window resumes with it."""
+        return {} if self._windows is None else {FAULT_TOLERANCE_KEY: {"anchor": self._windows.anchor}}
+
+    def load_fault_tolerance_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`fault_tolerance_state`'s part; a checkpoint written with the option set otherwise is
+        refused by name (its learners were other processes: jobs of replica groups, or one job)."""
+        saved = state.get(FAULT_TOLERANCE_KEY)
+        if (saved is None) != (self._windows is None):
+            written, now = ("with", "without") if saved is not None else ("without", "with")
+            raise ValueError(f"the checkpoint was written by {type(self).__name__} {written} fault_tolerance and is "
+                             f"resumed {now} it; resume with the setting that wrote it")
+        if saved is not None:
+            self._windows.anchor.copy_(saved["anchor"])
 
     def fault_tolerance_metrics(self) -> dict[str, float]:
         """``ft/*`` (the groups in the last quorum, commits, discarded windows) under ``fault_tolerance``."""

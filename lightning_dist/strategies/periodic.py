@@ -214,7 +214,7 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
     def protocol_state_dict(self) -> dict[str, Any]:
         if self._streaming is not None:
             return {"streaming": self._streaming.state_dict()}
-        return outer_state(self._outer)
+        return {**outer_state(self._outer), **self.fault_tolerance_state()}
 
     def load_protocol_state_dict(self, state: Mapping[str, Any]) -> None:
         if ("streaming" in state) != self.streams:
@@ -227,6 +227,7 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             self._streaming.load_state_dict(state["streaming"], type(self).__name__)
             return
         load_outer_state(self._outer, state, type(self).__name__)
+        self.load_fault_tolerance_state(state)
 
     def worker_state_dict(self) -> dict[str, Any]:
         return {} if self._streaming is None else self._streaming.worker_state_dict()

@@ -46,6 +46,13 @@ def runs(tmp_path_factory):
     results["no_failure"] = group_results(out / "no_failure_jobs", "no_failure", 2, 2)
     run_nodes(2, 2, "fault_tolerant", {**spec, "name": "plain", "plain": True, "groups": 2}, out / "plain_jobs")
     results["plain"] = group_results(out / "plain_jobs", "plain", 2, 2)
+    # DiLoCo on 2 groups of one rank for 60 steps (45 batches an epoch), a checkpoint per group at every epoch's end
+    # (step 45, inside a window); after a total loss every group resumes from its own file.
+    spec = {"max_steps": 60, "start_barrier": True, "val_batches": 2, "strategy": {"period": PERIOD, "diloco": True}}
+    run_replica_groups(2, 1, {**spec, "name": "straight", "checkpoint": True}, out / "resume_jobs")
+    run_replica_groups(2, 1, {**spec, "name": "resumed", "resume_from": "straight"}, out / "resume_jobs")
+    results["straight"] = group_results(out / "resume_jobs", "straight", 2, 1)
+    results["resumed"] = group_results(out / "resume_jobs", "resumed", 2, 1)
     return results
 
 
@@ -118,6 +125,22 @@ def test_no_failure_equals_the_run_without_the_option(runs):
     assert [window["local_steps"] for window in windows] == [0, 4, 8, 12]
     assert all(window["committed"] and window["membership"]["contributors"] == 2 for window in windows[1:])
     assert tolerant[0][0]["metrics"]["ft/groups"] == 2.0 and tolerant[0][0]["metrics"]["ft/commits"] == 4.0
+
+
+def test_every_group_resumes_from_its_own_checkpoint_after_a_total_loss(runs):
+    straight, resumed = runs["straight"], runs["resumed"]
+    for group in (0, 1):
+        # Each group starts again from its own replica at step 45 (inside a window), not from the committed model.
+        assert torch.equal(resumed[group][0]["start"], straight[group][0]["after_step"][45])
+        # ... and holds the committed model of the window that ended at step 44 (from the checkpoint).
+        committed = {window["local_steps"]: window["after"] for window in straight[group][0]["windows"]}
+        assert torch.equal(resumed[group][0]["start_anchor"], committed[44])
+        windows = resumed[group][0]["windows"]
+        assert [window["local_steps"] for window in windows] == [0, 48, 52, 56, 60]  # the meeting, then the schedule
+        assert all(window["committed"] and window["membership"]["contributors"] == 2 for window in windows)
+        assert resumed[group][0]["global_step"] == 60
+    for first, second in zip(resumed[0][0]["windows"][1:], resumed[1][0]["windows"][1:]):
+        assert torch.equal(first["after"], second["after"])
 
 
 def option(**kwargs):

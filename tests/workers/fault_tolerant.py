@@ -8,7 +8,8 @@ strategy's arguments, and the failure to inject into this group: ``{"kill": {"gr
 job's processes right after that optimizer step (inside a window), ``{"kill": {"group": 2, "window": 2,
 "all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange). A restarted job (the
 ``restart`` argument) injects nothing. ``"start_barrier"`` makes every group's job wait for the others' before fit, so
-the first quorum has every group. ``"step_sleep"`` slows every optimizer step (room for a restarted job to start).
+the first quorum has every group. ``"checkpoint"`` writes each group's checkpoint at every epoch's end;
+``"resume_from": NAME`` resumes every group from its own first-epoch checkpoint of run NAME. ``"step_sleep"`` slows every optimizer step (room for a restarted job to start).
 """
 
 import json
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_dist.algorithms.averaging as averaging
 from lightning_dist.algorithms.outer import diloco_outer_optimizer
@@ -36,6 +37,11 @@ class Record(Callback):
     def __init__(self, kill_step: int | None, step_sleep: float) -> None:
         self.kill_step, self.step_sleep = kill_step, step_sleep
         self.after_step: dict[int, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = trainer.strategy.model_vector.get().clone()
+        windows = trainer.strategy._windows
+        self.anchor = None if windows is None else windows.anchor.clone()  # the committed model training starts with
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after_step[trainer.global_step] = trainer.strategy.model_vector.get().clone()
@@ -111,15 +117,24 @@ def main() -> None:
         strategy = PeriodicAveragingStrategy(fault_tolerance=option, **kwargs)
         windows = record_windows(strategy, kill)
     record = Record(kill.get("step") if kill else None, spec.get("step_sleep", 0.0))
+    callbacks: list[Callback] = [record]
+    if spec.get("checkpoint"):  # every group its own file at every epoch's end
+        callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt_group{group}", every_n_epochs=1, save_top_k=-1,
+                                         filename="{epoch}-{step}"))
+    ckpt_path = None
+    if spec.get("resume_from"):
+        ckpt_path = str(next((Path(spec["out"]) / spec["resume_from"] / f"ckpt_group{group}").glob("epoch=0-*.ckpt")))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                         num_nodes=spec["groups"] if plain else 1,
-                        max_steps=spec["max_steps"], callbacks=[record], logger=False, enable_checkpointing=False,
+                        max_steps=spec["max_steps"], callbacks=callbacks, logger=False,
+                        enable_checkpointing=bool(spec.get("checkpoint")),
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, deterministic=True)
+                        limit_val_batches=spec.get("val_batches", 0), deterministic=True)
     started = time.monotonic()
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     suffix = "_restart" if restart else ""
     torch.save({"windows": windows, "after_step": record.after_step, "final": strategy.model_vector.get(),
+                "start": record.start, "start_anchor": record.anchor,
                 "global_step": trainer.global_step, "fit_s": time.monotonic() - started, "comm": strategy.comm.stats,
                 "metrics": strategy.protocol_metrics()},
                out / f"group{group}_rank{os.environ['LOCAL_RANK']}{suffix}.pt")
