@@ -48,6 +48,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The other agents: torchrun imported first, then started the moment the first agent's rendezvous store listens.
+# Started only then from scratch, an agent's own start-up (Python and torch, 2-4 s here) could come after the
+# first agent's last call (2 s): the first agent would start alone and torchrun would have to grow the group, a
+# second round that timed out waiting for its MASTER_ADDR in torch 2.13.
+JOIN_WHEN_LISTENING = """
+import socket, sys, time
+import torch.distributed.run as torchrun
+host, port = sys.argv[1].rsplit(":", 1)
+while True:
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.02)
+sys.argv = ["torchrun", *sys.argv[2:]]
+torchrun.main()
+"""
+
+
 def wait_for_listener(endpoint: str, agent: subprocess.Popen, timeout: float) -> None:
     host, port = endpoint.rsplit(":", 1)
     deadline = time.monotonic() + timeout
@@ -191,10 +210,11 @@ def run(config: Path, workdir: Path, nodes: int, nproc_per_node: int, max_steps:
     watch = Watch(workdir, agents, timeout)
     for node in range(nodes):
         log = open(workdir / f"agent{node}.log", "w")
-        agents.append(subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+        # The first agent hosts the rendezvous store (the node killed is another one); the others join it.
+        argv = command if node == 0 else [sys.executable, "-c", JOIN_WHEN_LISTENING, endpoint, *command[3:]]
+        agents.append(subprocess.Popen(argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True))
-        if node == 0:  # the first agent hosts the rendezvous store; the node killed is another one
-            wait_for_listener(endpoint, agents[0], timeout)
+    wait_for_listener(endpoint, agents[0], timeout)
     try:
         first_round: list[dict[str, Any]] = []
 
