@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
     results = {}
     # DiLoCo, one rank per group: group 2 dies in the exchange of the window ending at step 8 (its second all-reduce
     # there: the first of the model's buckets), and its job is started again at once; it rejoins a window later.
-    codes = run_replica_groups(3, 1, {"name": "rejoin", "max_steps": 48, "bucket": 2000, "step_sleep": 0.5,
+    codes = run_replica_groups(3, 1, {"name": "rejoin", "max_steps": 64, "bucket": 2000, "step_sleep": 0.5,
                                       "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True},
                                       "kill": {"group": 2, "window": 3, "all_reduce": 2}},
                                out, restart_group=2)
@@ -70,9 +70,9 @@ def test_survivors_roll_back_a_failed_exchange_and_go_on(runs):
     assert not windows[8]["committed"] and windows[4]["committed"] and windows[12]["committed"]
     assert torch.equal(windows[8]["after"], windows[4]["after"])
     assert survivor["metrics"]["ft/discarded"] == 1.0
-    # Every window of both survivors was the same, and they never stopped: 48 steps, 12 windows and set-up.
+    # Every window of both survivors was the same, and they never stopped: 64 steps, 16 windows and set-up.
     assert windows_of(results[0][0]) == windows_of(results[1][0])
-    assert results[0][0]["global_step"] == results[1][0]["global_step"] == 48
+    assert results[0][0]["global_step"] == results[1][0]["global_step"] == 64
 
 
 def test_restarted_group_rejoins_with_the_live_state(runs):
@@ -82,7 +82,7 @@ def test_restarted_group_rejoins_with_the_live_state(runs):
     assert first["purpose"] == "setup" and first["healed"] and first["committed"]
     assert first["membership"]["contributors"] == first["membership"]["groups"] - 1  # its window was not counted
     steps = first["local_steps"]
-    assert steps % PERIOD == 0 and 8 < steps < 48
+    assert steps % PERIOD == 0 and 8 < steps < 64
     survivor = {window["local_steps"]: window for window in results[0][0]["windows"]}
     # Bit for bit the others' model after its first window (DiLoCo's reference and momentum came from a peer), and
     # every window after it with all three contributing.
@@ -90,7 +90,7 @@ def test_restarted_group_rejoins_with_the_live_state(runs):
     for window in joined["windows"][1:]:
         assert window["membership"]["contributors"] == 3 and torch.equal(window["after"],
                                                                          survivor[window["local_steps"]]["after"])
-    assert joined["global_step"] == 48
+    assert joined["global_step"] == 64
     assert torch.equal(joined["final"], results[0][0]["final"]) and torch.equal(joined["final"], results[1][0]["final"])
 
 
