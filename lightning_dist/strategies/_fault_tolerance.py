@@ -183,7 +183,7 @@ class FaultTolerantWindows:
             self.discarded += 1
             log.warning("lightning_dist: replica group window discarded (%s): every replica is back at the last "
                         "committed model", "the exchange failed" if self.quorum.failed() else
-                        f"fewer than min_replicas groups, or another rank of this group failed")
+                        "fewer than min_replicas groups, or another rank of this group failed")
         return committed
 
     def _log_membership(self, before: Membership | None, now: Membership) -> None:
@@ -385,9 +385,7 @@ class ReplicaGroups:
         if self._windows is None or not self._windows.unshown or module.trainer.progress_bar_callback is None:
             return
         self._windows.unshown = False
-        for name, value in self.fault_tolerance_metrics().items():
-            module.log(name, torch.tensor(value, dtype=torch.float64), prog_bar=True, logger=False, on_step=True,
-                       on_epoch=False, batch_size=1)
+        self.show_in_progress_bar(self.fault_tolerance_metrics())
 
     def fault_tolerance_state(self) -> dict[str, Any]:
         """The part of ``protocol_state_dict`` the option adds: the last committed model (the same on every rank and

@@ -393,9 +393,13 @@ class LocalUpdateStrategy(ReplicaGroups, ReplicaAveraging, ReplicaCheckpoints, D
         if module.trainer.progress_bar_callback is None or self._summed_stats is self._shown_stats:
             return
         self._shown_stats = self._summed_stats
-        for name, value in self._summed_stats.progress_bar_metrics().items():
-            module.log(name, torch.tensor(value, dtype=torch.float64), prog_bar=True, logger=False, on_step=True,
-                       on_epoch=False, batch_size=1)
+        self.show_in_progress_bar(self._summed_stats.progress_bar_metrics())
+
+    def show_in_progress_bar(self, metrics: dict[str, float]) -> None:
+        """``metrics`` in the progress bar only (``log(prog_bar=True, logger=False)`` from a training hook)."""
+        for name, value in metrics.items():
+            self.lightning_module.log(name, torch.tensor(value, dtype=torch.float64), prog_bar=True, logger=False,
+                                      on_step=True, on_epoch=False, batch_size=1)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
