@@ -137,8 +137,9 @@ def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, 
                     min_replicas: int, timeout: timedelta, quorum_timeout: timedelta,
                     state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> Any:
     """A torchft ``Manager`` for this rank of its replica group: torchft's reconfigurable Gloo group between
-    groups, its servers advertised at this host's address on the route to the Lighthouse, the group's own store (torchrun's ``MASTER_ADDR``/``MASTER_PORT``, which Lightning's process group
-    has started), synchronous quorums, and ``state_dict``/``load_state_dict`` as what a behind group receives.
+    groups, its servers and the group's own store (torchrun's, at ``MASTER_PORT``) advertised at this host's
+    address on the route to the Lighthouse, synchronous quorums, and ``state_dict``/``load_state_dict`` as what a
+    behind group receives.
 
     No ``init_sync``: torchft would then heal every group but one at step 0, and it picks the source per local rank
     (local rank ``j`` from the ``j``-th group), so a group's ranks would start from different groups' models. The
@@ -159,7 +160,10 @@ def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, 
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout,
         connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
-        store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+        # The quorum hands the first group's store address to every group, which meets there to build torchft's
+        # Gloo group: a one-node job's MASTER_ADDR (127.0.0.1) would send each host to itself. The store listens on
+        # every interface, so this host's reachable address names it for the group's own ranks as well.
+        store_addr=host, store_port=int(os.environ["MASTER_PORT"]),
         lighthouse_addr=lighthouse, replica_id=replica_id, hostname=host, init_sync=False,
         checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0),
     )

@@ -89,30 +89,46 @@ def run_case_ranks(nprocs: int, worker: str, cases: dict[str, dict[str, Any]], o
     return {name: [per_rank[rank][index] for rank in range(nprocs)] for index, name in enumerate(cases)}
 
 
+LIGHTHOUSE_FLAGS = {"min_replicas": 1, "join_timeout_ms": 30000, "heartbeat_timeout_ms": 1000}
+
+
 def run_replica_groups(
     groups: int, ranks_per_group: int, spec: dict[str, Any], out_dir: Path, restart_group: int | None = None,
-    timeout: float = 300,
+    timeout: float = 300, network: Any = None,
 ) -> dict[int, int]:
     """``tests/workers/fault_tolerant.py``: ``groups`` torchrun jobs of ``ranks_per_group`` ranks each, one replica
     group each, joined by a torchft Lighthouse in this process (heartbeats time out after 1 s, so a dead group
     leaves the next quorum quickly). With ``restart_group``, that group's job is started again (``restart``) as
-    soon as it exits. Returns each job's exit code by group (the restarted one's under ``groups``)."""
+    soon as it exits. With ``network`` (a ``benchmarks.common.netns.Network`` of ``groups`` nodes), group ``g``'s job
+    runs on node ``g`` (its own host: ``MASTER_ADDR`` 127.0.0.1 names only itself) and the Lighthouse, the
+    ``torchft_lighthouse`` binary, on node 0. Returns each job's exit code by group (the restarted one's under
+    ``groups``)."""
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=1000)
+    lighthouse_port = free_port()
+    if network is None:
+        lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE_FLAGS)
+        address, stop_lighthouse = lighthouse.address(), lighthouse.shutdown
+    else:
+        flags = [f"--{name}={value}" for name, value in LIGHTHOUSE_FLAGS.items()]
+        binary = Path(sys.executable).with_name("torchft_lighthouse")
+        process = network.run(0, [str(binary), f"--bind=[::]:{lighthouse_port}", *flags], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+        address, stop_lighthouse = f"http://{network.address(0)}:{lighthouse_port}", process.kill
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "groups": groups, "lighthouse": lighthouse.address(),
-                                     "out": str(out_dir)}))
+    spec_path.write_text(json.dumps({**spec, "groups": groups, "lighthouse": address, "out": str(out_dir)}))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def launch(group: int, *extra: str) -> subprocess.Popen:
         log = open(out_dir / f"group{group}{''.join(extra)}.log", "w")
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks_per_group}", "--nnodes=1",
-             "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKERS / "fault_tolerant.py"),
-             str(spec_path), str(group), *extra], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks_per_group}", "--nnodes=1",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKERS / "fault_tolerant.py"),
+                str(spec_path), str(group), *extra]
+        if network is not None:
+            return network.run(group, argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
 
     jobs = {group: launch(group) for group in range(groups)}
     try:
@@ -123,4 +139,4 @@ def run_replica_groups(
     finally:
         for job in jobs.values():
             job.kill()
-        lighthouse.shutdown()
+        stop_lighthouse()

@@ -127,6 +127,28 @@ def test_no_failure_equals_the_run_without_the_option(runs):
     assert tolerant[0][0]["metrics"]["ft/groups"] == 2.0 and tolerant[0][0]["metrics"]["ft/commits"] == 4.0
 
 
+def test_groups_on_separate_hosts_meet_at_the_addresses_they_advertise(tmp_path):
+    """Every group's job on a host of its own (a network namespace, where the job's MASTER_ADDR 127.0.0.1 names only
+    that host) and the Lighthouse on the first: the groups still build torchft's Gloo group between them, at the
+    addresses their Managers advertise (a one-node job's MASTER_ADDR as the store's address sent every other group to
+    itself)."""
+    from benchmarks.common import netns
+
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"this test needs {netns.REQUIREMENTS} (the CI machine has them): {reason}")
+    spec = {"name": "hosts", "max_steps": 8, "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True}}
+    with netns.Network(nodes=2) as network:
+        codes = run_replica_groups(2, 1, spec, tmp_path, network=network, timeout=240)
+    assert codes == {0: 0, 1: 0}
+    results = group_results(tmp_path, "hosts", 2, 1)
+    assert torch.equal(results[0][0]["final"], results[1][0]["final"])
+    windows = results[0][0]["windows"]
+    assert [window["local_steps"] for window in windows] == [0, 4, 8]
+    assert all(window["committed"] for window in windows)
+    assert all(window["membership"]["contributors"] == 2 for window in windows[1:])
+
+
 def test_every_group_resumes_from_its_own_checkpoint_after_a_total_loss(runs):
     straight, resumed = runs["straight"], runs["resumed"]
     for group in (0, 1):
