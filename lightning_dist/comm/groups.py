@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -81,6 +82,26 @@ def restart_scoped_store(timeout: timedelta | None) -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    warn_if_restart_counts_diverge()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timeout if timeout is not None else default_pg_timeout)
     return dist.PrefixStore(f"lightning_dist/restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def warn_if_restart_counts_diverge() -> None:
+    """Warn where :func:`restart_scoped_store`'s prefix cannot keep rounds apart: several torchrun agents that may
+    restart, sharing their rendezvous store with the workers (torch's default under c10d).
+
+    Each agent counts its own restarts: after one node's process fails, its agent's count goes up, while the agents
+    restarted with it for the membership change keep theirs, so the ranks of one round use different prefixes and
+    some read the previous round's addresses (pytorch/pytorch#135712; seen here as "Gloo connectFullMesh failed ...
+    Connection refused" and then a hang, 4 agents in network namespaces, torch 2.13). With
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment every round gets a fresh store."""
+    agents = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if agents > 1 and restarts > 0:
+        warnings.warn(
+            f"torchrun runs {agents} agents with --max-restarts={restarts} and shares its rendezvous store with the "
+            "workers: after one node's process fails, the agents' restart counts differ and the restarted round can "
+            "fail to connect or hang (pytorch/pytorch#135712). Start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment.", stacklevel=2)

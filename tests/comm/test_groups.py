@@ -1,6 +1,7 @@
 """Process groups made by lightning_dist are destroyed in order, and a closed Communicator refuses use."""
 
 import atexit
+import warnings
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 from helpers.launch import load_results, run_ranks
 from lightning_dist.comm import Communicator, destroy_group, new_group, restart_scoped_store
 from lightning_dist.comm import groups
+from lightning_dist.comm.groups import warn_if_restart_counts_diverge
 
 
 @pytest.fixture
@@ -54,3 +56,19 @@ def test_a_group_restarted_by_torchrun_connects_when_a_rank_comes_up_late(tmp_pa
 def test_outside_torchrun_there_is_no_restart_scoped_store(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert restart_scoped_store(None) is None
+
+
+@pytest.mark.parametrize("agents, restarts, warns", [(2, 1, True), (1, 3, False), (4, 0, False)])
+def test_restart_counts_that_can_diverge_are_warned_about(monkeypatch, agents, restarts, warns):
+    """Several agents that may restart, sharing the rendezvous store: the restart-count prefix cannot keep rounds
+    apart (pytorch/pytorch#135712), and the warning names the remedy."""
+    monkeypatch.setenv("GROUP_WORLD_SIZE", str(agents))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(restarts))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_restart_counts_diverge()
+    messages = [str(warning.message) for warning in caught]
+    if warns:
+        assert len(messages) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in messages[0] and "#135712" in messages[0]
+    else:
+        assert messages == []
