@@ -39,16 +39,31 @@ def write_json(path: Path, report: Any) -> None:
     path.write_text(json.dumps(report, indent=1))
 
 
-def replot(json_path: Path, summarize: Callable[[dict[str, Any]], Any], table: Callable[[Any], str],
-           draw: Callable[[dict[str, Any]], Sequence[Path]]) -> int:
-    """A benchmark's ``--replot``: its summary derived again from the measurements in ``json_path`` and written
-    back, its table printed and its figures drawn (``draw`` returns their paths); returns the exit status 0."""
-    report = json.loads(json_path.read_text())
+def publish(json_path: Path, report: dict[str, Any], summarize: Callable[[dict[str, Any]], Any],
+            table: Callable[[Any], str], draw: Callable[[dict[str, Any]], Sequence[Path]]) -> int:
+    """A benchmark's last step: its summary derived from the measurements in ``report``, the whole written to
+    ``json_path``, its table printed and its figures drawn (``draw`` returns their paths); returns the exit status 0."""
     report["summary"] = summarize(report)
     write_json(json_path, report)
     print(table(report["summary"]))
     print("wrote", *draw(report))
     return 0
+
+
+def one_figure(plot: Callable[[dict[str, Any], Path], Any], out: Path, prefix: str
+               ) -> Callable[[dict[str, Any]], list[Path]]:
+    """``draw`` for :func:`publish` and :func:`replot` where a benchmark draws one figure, ``<out>/<prefix>.png``."""
+    def draw(report: dict[str, Any]) -> list[Path]:
+        figure = out / f"{prefix}.png"
+        plot(report, figure)
+        return [figure]
+    return draw
+
+
+def replot(json_path: Path, summarize: Callable[[dict[str, Any]], Any], table: Callable[[Any], str],
+           draw: Callable[[dict[str, Any]], Sequence[Path]]) -> int:
+    """A benchmark's ``--replot``: :func:`publish` again from the measurements in ``json_path``."""
+    return publish(json_path, json.loads(json_path.read_text()), summarize, table, draw)
 
 
 def pyplot() -> Any:

@@ -47,7 +47,7 @@ from typing import Any
 from benchmarks.common import netns
 from benchmarks.common.launch import worker_env
 from benchmarks.common.paths import BENCHMARKS, REPO, RESULTS
-from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+from benchmarks.common.report import command_line, one_figure, publish, pyplot, replot, save_figure
 from benchmarks.language_model.network import DILOCO_OUTER, DILOCO_PERIOD, EVAL_SEQUENCES, HEADLINE_MBIT, TASK
 
 PREFIX = "ft_failure"
@@ -282,7 +282,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     save_figure(figure, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replot", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
@@ -291,41 +291,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep", type=Path, help="keep the launches' logs, journals and copies in this directory")
     args = parser.parse_args(argv)
     json_path = args.out / f"{PREFIX}.json"
+    draw = one_figure(plot, args.out, PREFIX)
     if args.replot:
-        report = json.loads(json_path.read_text())
-    else:
-        netns.require_network("benchmarks.fault_tolerance.failure")
-        target = json.loads((RESULTS / "lm_network.json").read_text())["summary"]["target_val_loss"]
-        began = time.perf_counter()
-        launches = []
-        work = args.keep or Path(tempfile.mkdtemp(prefix="ft_failure_"))
-        (work / "snapshots").mkdir(parents=True, exist_ok=True)
-        try:
-            with netns.Network(GROUPS, node_mbit=HEADLINE_MBIT) as network:
-                for seed in args.seeds:
-                    for way in args.ways:
-                        kill = draw_kill(seed) if way != "no_failure" else None
-                        launch = launch_way(network, way, seed, kill, work)
-                        launch["origin"] = training_origin(launch)
-                        launch["curve"] = score(launch, work)
-                        launch["summary"] = summarize_launch(launch, launch["curve"], target)
-                        print(f"[ft] seed {seed} {way}: {json.dumps(launch['summary'])}", flush=True)
-                        launch["journals"] = {tag: [event for event in journal if event["event"] != "step"]
-                                              for tag, journal in launch["journals"].items()}  # the JSON's size
-                        launches.append(launch)
-        finally:
-            if args.keep is None:
-                shutil.rmtree(work, ignore_errors=True)
-        report = {"command": command_line(argv), "machine": platform.processor() or platform.machine(),
-                  "cpus": os.cpu_count(), "groups": GROUPS, "node_mbit": HEADLINE_MBIT, "period": DILOCO_PERIOD,
-                  "max_steps": MAX_STEPS, "checkpoint_every": CHECKPOINT_EVERY, "lighthouse_flags": LIGHTHOUSE_FLAGS,
-                  "target_val_loss": target, "kills": {str(seed): draw_kill(seed) for seed in args.seeds},
-                  "launches": launches, "wall_s": time.perf_counter() - began}
-    report["summary"] = summarize(report)
-    write_json(json_path, report)
-    plot(report, args.out / f"{PREFIX}.png")
-    print(table(report["summary"]))
+        return replot(json_path, summarize, table, draw)
+    netns.require_network("benchmarks.fault_tolerance.failure")
+    target = json.loads((RESULTS / "lm_network.json").read_text())["summary"]["target_val_loss"]
+    began = time.perf_counter()
+    launches = []
+    work = args.keep or Path(tempfile.mkdtemp(prefix="ft_failure_"))
+    (work / "snapshots").mkdir(parents=True, exist_ok=True)
+    try:
+        with netns.Network(GROUPS, node_mbit=HEADLINE_MBIT) as network:
+            for seed in args.seeds:
+                for way in args.ways:
+                    kill = draw_kill(seed) if way != "no_failure" else None
+                    launch = launch_way(network, way, seed, kill, work)
+                    launch["origin"] = training_origin(launch)
+                    launch["curve"] = score(launch, work)
+                    launch["summary"] = summarize_launch(launch, launch["curve"], target)
+                    print(f"[ft] seed {seed} {way}: {json.dumps(launch['summary'])}", flush=True)
+                    launch["journals"] = {tag: [event for event in journal if event["event"] != "step"]
+                                          for tag, journal in launch["journals"].items()}  # the JSON's size
+                    launches.append(launch)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    report = {"command": command_line(argv), "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "groups": GROUPS, "node_mbit": HEADLINE_MBIT, "period": DILOCO_PERIOD,
+              "max_steps": MAX_STEPS, "checkpoint_every": CHECKPOINT_EVERY, "lighthouse_flags": LIGHTHOUSE_FLAGS,
+              "target_val_loss": target, "kills": {str(seed): draw_kill(seed) for seed in args.seeds},
+              "launches": launches, "wall_s": time.perf_counter() - began}
+    return publish(json_path, report, summarize, table, draw)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

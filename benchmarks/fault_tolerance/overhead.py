@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.common.launch import free_port, worker_env
 from benchmarks.common.paths import BENCHMARKS, RESULTS
-from benchmarks.common.report import command_line, pyplot, save_figure, write_json
+from benchmarks.common.report import command_line, one_figure, publish, pyplot, replot, save_figure
 
 PREFIX = "ft_overhead"
 WORKER = BENCHMARKS / "fault_tolerance" / "worker.py"
@@ -136,27 +136,24 @@ def plot(report: dict[str, Any], path: Path) -> None:
     save_figure(figure, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replot", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     json_path = args.out / f"{PREFIX}.json"
+    draw = one_figure(plot, args.out, PREFIX)
     if args.replot:
-        report = json.loads(json_path.read_text())
-    else:
-        began = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="ft_overhead_") as scratch:
-            seeds = [run_seed(seed, Path(scratch)) for seed in args.seeds]
-        report = {"command": command_line(argv), "machine": platform.processor() or platform.machine(),
-                  "cpus": os.cpu_count(), "period": PERIOD, "max_steps": MAX_STEPS, "groups": GROUPS,
-                  "seeds": seeds, "wall_s": time.perf_counter() - began}
-    report["summary"] = summarize(report)
-    write_json(json_path, report)
-    plot(report, args.out / f"{PREFIX}.png")
-    print(table(report["summary"]))
+        return replot(json_path, summarize, table, draw)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ft_overhead_") as scratch:
+        seeds = [run_seed(seed, Path(scratch)) for seed in args.seeds]
+    report = {"command": command_line(argv), "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "period": PERIOD, "max_steps": MAX_STEPS, "groups": GROUPS,
+              "seeds": seeds, "wall_s": time.perf_counter() - began}
+    return publish(json_path, report, summarize, table, draw)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
