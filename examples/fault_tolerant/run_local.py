@@ -2,6 +2,8 @@
 
     python examples/fault_tolerant/run_local.py --workdir /tmp/ft
     python examples/fault_tolerant/run_local.py --workdir /tmp/ft --kill-group 2 --kill-after 15 --restart
+    python examples/fault_tolerant/run_local.py --workdir /tmp/ft --kill-group 2 --kill-after 5 --restart \
+        -- --trainer.max_steps=20000        # long enough that the restarted group rejoins the others
 
 What a user runs by hand, in one script: the Lighthouse (``torchft_lighthouse``, installed with torchft), then one
 torchrun job per replica group (``--groups``, each ``--nproc-per-node`` ranks), each with its own
@@ -66,9 +68,22 @@ def group_job(group: int, args: argparse.Namespace, lighthouse_port: int, tag: s
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}", "--nnodes=1",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "lightning_dist.cli", "fit",
                "--config", str(args.config), f"--trainer.default_root_dir={workdir / f'group{group}'}",
-               "--trainer.enable_progress_bar=false"]
+               "--trainer.enable_progress_bar=false", *args.overrides]
     log = (workdir / f"group{group}{tag}.log").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a torchrun agent and every process under it: torchrun starts its workers in sessions of their own, so
+    killing the agent's process group leaves them training (an orphaned group that the restarted one would join
+    as a second copy)."""
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in task.read_text().split():
+            kill_tree(int(child))
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def windows_in(log: Path) -> list[dict[str, Any]]:
@@ -89,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--restart", action="store_true")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", default=None)
+    parser.add_argument("overrides", nargs="*",
+                        help="after --: lightning-dist fit arguments for every job, e.g. -- --trainer.max_steps=20000")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 time.sleep(0.1)
             events.append((time.monotonic() - began, "every group ended its first window"))
             time.sleep(args.kill_after)
-            os.killpg(jobs[args.kill_group].pid, signal.SIGKILL)
+            kill_tree(jobs[args.kill_group].pid)
             events.append((time.monotonic() - began, f"group {args.kill_group} SIGKILLed"))
             jobs[args.kill_group].wait()
             if args.restart:

@@ -67,14 +67,16 @@ class QuorumCommunicator:
             before the window's all-reduces, by the state-dict functions registered on it).
         counted_by: the strategy's communicator, whose counters these bytes go into (level ``inter_node``).
         timeout: named in failures.
+        group: this rank's replica group, of ``groups``.
     """
 
     level = "inter_node"
 
-    def __init__(self, manager: Any, counted_by: Any, timeout: timedelta) -> None:
+    def __init__(self, manager: Any, counted_by: Any, timeout: timedelta, group: int, groups: int) -> None:
         self.manager = manager
         self._counted_by = counted_by
         self.timeout = timeout
+        self.group, self.groups = group, groups
         self.rank = 0
         self.world_size = 1
         self.membership: Membership | None = None
@@ -91,13 +93,27 @@ class QuorumCommunicator:
         self.manager.start_quorum()
 
     def count_contributors(self, contributes: bool, device: torch.device) -> int:
-        """How many groups contribute to this window (an all-reduce of one flag); sets ``rank`` and ``world_size``.
+        """How many groups contribute to this window; sets ``rank`` and ``world_size``. One all-reduce of which
+        groups are present and whether each contributes.
 
-        A group contributes unless it was healed in this quorum. 0 when the exchange failed (nothing to average).
+        A group contributes unless it was healed in this quorum. 0 when the exchange failed (nothing to average)
+        or when a group is in the quorum twice: two processes run as one replica group (typically a worker left
+        training after its torchrun agent was killed: torchrun starts workers in sessions of their own, so killing
+        the agent's process group spares them), and both copies' data would weigh twice in the mean. Each copy
+        then raises, naming its group; the other groups discard the window and go on without it.
         """
-        flag = torch.tensor([1.0 if contributes else 0.0], dtype=torch.float64, device=device)
-        total = self.all_reduce_sum_(flag, "protocol")
-        contributors = 0 if self.manager.errored() is not None else int(round(float(total[0])))
+        present = torch.zeros(self.groups + 1, dtype=torch.float64, device=device)
+        present[self.group] = 1.0
+        present[self.groups] = 1.0 if contributes else 0.0
+        total = self.all_reduce_sum_(present, "protocol")
+        failed = self.manager.errored() is not None
+        twice = [] if failed else [group for group in range(self.groups) if float(total[group]) > 1.5]
+        if self.group in twice:
+            raise RuntimeError(
+                f"replica group {self.group} joined this quorum {int(round(float(total[self.group])))} times: two "
+                f"processes run as replica group {self.group} (a worker whose torchrun agent was killed may still be "
+                f"training). Stop every copy of group {self.group} and start it once.")
+        contributors = 0 if failed or twice else int(round(float(total[self.groups])))
         self.rank = self.manager.participating_rank() or 0
         self.world_size = max(contributors, 1)
         membership = Membership(self.manager._quorum_id, self.manager.num_participants(), contributors)

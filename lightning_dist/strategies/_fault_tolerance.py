@@ -276,7 +276,8 @@ class ReplicaGroups:
             group_rank=self.comm.rank, group_world_size=self.comm.world_size, replica_id=f"lightning_dist_{group}",
             lighthouse=option.lighthouse_address(), min_replicas=option.min_replicas, timeout=option.timeout,
             quorum_timeout=option.quorum_timeout, state_dict=self.recovery_state, load_state_dict=self.load_recovery_state)
-        return NodeHierarchy(layout, node, QuorumCommunicator(manager, self.comm, option.timeout))
+        return NodeHierarchy(layout, node, QuorumCommunicator(manager, self.comm, option.timeout, group,
+                                                             option.num_replica_groups))
 
     def join_replica_groups(self) -> None:
         """The first window, at set-up: every group meets the others (a fresh run: the first group's start model

@@ -94,12 +94,13 @@ LIGHTHOUSE_FLAGS = {"min_replicas": 1, "join_timeout_ms": 30000, "heartbeat_time
 
 def run_replica_groups(
     groups: int, ranks_per_group: int, spec: dict[str, Any], out_dir: Path, restart_group: int | None = None,
-    timeout: float = 300, network: Any = None,
+    timeout: float = 300, network: Any = None, duplicate_group: int | None = None,
 ) -> dict[int, int]:
     """``tests/workers/fault_tolerant.py``: ``groups`` torchrun jobs of ``ranks_per_group`` ranks each, one replica
     group each, joined by a torchft Lighthouse in this process (heartbeats time out after 1 s, so a dead group
     leaves the next quorum quickly). With ``restart_group``, that group's job is started again (``restart``) as
-    soon as it exits. With ``network`` (a ``benchmarks.common.netns.Network`` of ``groups`` nodes), group ``g``'s job
+    soon as it exits; with ``duplicate_group``, a second job of that group starts beside the first (``copy``:
+    no barrier, nothing injected). With ``network`` (a ``benchmarks.common.netns.Network`` of ``groups`` nodes), group ``g``'s job
     runs on node ``g`` (its own host: ``MASTER_ADDR`` 127.0.0.1 names only itself) and the Lighthouse, the
     ``torchft_lighthouse`` binary, on node 0. Returns each job's exit code by group (the restarted one's under
     ``groups``)."""
@@ -131,6 +132,8 @@ def run_replica_groups(
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
 
     jobs = {group: launch(group) for group in range(groups)}
+    if duplicate_group is not None:
+        jobs[groups] = launch(duplicate_group, "copy")
     try:
         if restart_group is not None:
             jobs[restart_group].wait(timeout=timeout)

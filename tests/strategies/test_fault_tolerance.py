@@ -149,6 +149,21 @@ def test_groups_on_separate_hosts_meet_at_the_addresses_they_advertise(tmp_path)
     assert all(window["membership"]["contributors"] == 2 for window in windows[1:])
 
 
+def test_a_replica_group_running_twice_is_refused_by_name_and_the_others_go_on(tmp_path):
+    """Two jobs of group 1 (as when a worker outlives its killed torchrun agent and the group is started again):
+    both copies stop with an error naming group 1, and group 0 discards the window they shared and trains on."""
+    spec = {"name": "twice", "max_steps": 12, "start_barrier": True, "step_sleep": 0.2,
+            "strategy": {"period": PERIOD, "diloco": True}}
+    codes = run_replica_groups(2, 1, spec, tmp_path, duplicate_group=1, timeout=240)
+    assert codes[0] == 0 and codes[1] != 0 and codes[2] != 0
+    refusal = "replica group 1 joined this quorum 2 times"
+    assert refusal in (tmp_path / "group1.log").read_text() and refusal in (tmp_path / "group1copy.log").read_text()
+    windows = torch.load(tmp_path / "twice" / "group0_rank0.pt", weights_only=False)["windows"]
+    discarded = [window for window in windows if not window["committed"]]
+    assert len(discarded) == 1 and discarded[0]["membership"]["groups"] == 3
+    assert all(window["membership"]["groups"] == 1 for window in windows[windows.index(discarded[0]) + 1:])
+
+
 def test_every_group_resumes_from_its_own_checkpoint_after_a_total_loss(runs):
     straight, resumed = runs["straight"], runs["resumed"]
     for group in (0, 1):
