@@ -1,7 +1,7 @@
 """What a lost replica group costs (issue 43): the language model on 4 groups over 20 Mbit/s, one group killed at a
 random step, with ``fault_tolerance=TorchFT(...)`` and with today's torchrun restart, in the same run, several seeds.
 
-    python -m benchmarks.fault_tolerance.failure              # 3 seeds x 4 ways, about 25 min on 2 cores
+    python -m benchmarks.fault_tolerance.failure              # 3 seeds x 4 ways, about 35 min on 2 cores
     python -m benchmarks.fault_tolerance.failure --replot     # the table and figure from the JSON
 
 Every group is one rank in its own network namespace (``benchmarks/common/netns.py``), each namespace's interface
