@@ -96,6 +96,11 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         **kwargs: passed to :class:`LocalUpdateStrategy` (``seed`` and Lightning's DDP arguments).
     """
 
+    fault_tolerance_unsupported = (
+        ": its learners push to and pull from parameter-server shards asynchronously, so no window ends everywhere "
+        "at once for a quorum to close, and a lost shard is part of the global model lost. Use "
+        "PeriodicAveragingStrategy (periodic averaging or DiLoCo) with fault_tolerance")
+
     strategy_name = "downpour_sgd"
 
     def __init__(

@@ -114,6 +114,13 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
     """
 
+    fault_tolerance_unsupported = (
+        ": its synchronizations are not windows a quorum can close. Every check_every steps all learners gather their "
+        "local conditions and the violators' balancing set grows among named learners round by round; a learner lost "
+        "inside a round leaves the set's other members waiting for its pieces, and a quorum per check would put a "
+        "Lighthouse round trip into every check. Use PeriodicAveragingStrategy (periodic averaging or DiLoCo) with "
+        "fault_tolerance")
+
     strategy_name = "dynamic_avg"
 
     def __init__(

@@ -71,6 +71,11 @@ class SegmentedGossipStrategy(LocalUpdateStrategy):
         **kwargs: passed to :class:`LocalUpdateStrategy` (Lightning's DDP arguments).
     """
 
+    fault_tolerance_unsupported = (
+        ": every round each learner pulls segments from peers drawn by name from a plan all ranks share, point to "
+        "point, where a quorum would need a collective over whoever is alive. Use PeriodicAveragingStrategy "
+        "(periodic averaging or DiLoCo) with fault_tolerance")
+
     strategy_name = "segmented_gossip"
 
     def __init__(self, segments: int = 10, replicas: int | None = None, period: int = 40, seed: int = 0,
