@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from helpers.launch import load_results, run_nodes, run_replica_groups
-from lightning_dist.strategies import DynamicAveragingStrategy, PeriodicAveragingStrategy, TorchFT
+from lightning_dist.strategies import (
+    DownpourSGDStrategy,
+    DynamicAveragingStrategy,
+    PeriodicAveragingStrategy,
+    SegmentedGossipStrategy,
+    TorchFT,
+)
 
 PERIOD = 4
 
@@ -28,9 +34,12 @@ def group_results(out, name, groups, ranks, restarted=()):
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fault_tolerance")
     results = {}
-    # DiLoCo, one rank per group: group 2 dies in the exchange of the window ending at step 8 (its second all-reduce
-    # there: the first of the model's buckets), and its job is started again at once; it rejoins a window later.
-    codes = run_replica_groups(3, 1, {"name": "rejoin", "max_steps": 64, "bucket": 2000, "step_sleep": 0.5,
+    # DiLoCo on the user's CNN (BatchNorm, Adam, StepLR every epoch of 30 steps), one rank per group: group 2 dies in
+    # the exchange of the window ending at step 8 (its second all-reduce there: the first of the model's buckets),
+    # and its job is started again at once; the others wait after step 32 (in the second epoch) until it is up, and it
+    # rejoins in the window that step ends (or a later one).
+    codes = run_replica_groups(3, 1, {"name": "rejoin", "max_steps": 48, "bucket": 200, "step_sleep": 0.1,
+                                      "model": "cnn", "await_restart": 32,
                                       "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True},
                                       "kill": {"group": 2, "window": 3, "all_reduce": 2}},
                                out, restart_group=2)
@@ -40,10 +49,14 @@ def runs(tmp_path_factory):
                                       "strategy": {"period": PERIOD, "hierarchy": "node"},
                                       "kill": {"group": 2, "step": 6}}, out / "node_loss_jobs")
     results["node_loss"] = (codes, group_results(out / "node_loss_jobs", "node_loss", 2, 2))
-    # No failure: DiLoCo on 2 groups of 2 ranks, against the same fit without the option on 2 nodes of 2 ranks.
+    # No failure: DiLoCo on 2 groups of 2 ranks, against the same fit without the option on 2 nodes of 2 ranks. Each
+    # group writes a checkpoint at step 6 (inside a window), from which it resumes on one rank.
     spec = {"max_steps": 12, "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True, "hierarchy": "node"}}
-    run_replica_groups(2, 2, {**spec, "name": "no_failure"}, out / "no_failure_jobs")
+    run_replica_groups(2, 2, {**spec, "name": "no_failure", "checkpoint": 6}, out / "no_failure_jobs")
     results["no_failure"] = group_results(out / "no_failure_jobs", "no_failure", 2, 2)
+    run_replica_groups(2, 1, {**spec, "name": "resized", "resume_from": "no_failure", "resume_step": 6},
+                       out / "no_failure_jobs")
+    results["resized"] = group_results(out / "no_failure_jobs", "resized", 2, 1)
     run_nodes(2, 2, "fault_tolerant", {**spec, "name": "plain", "plain": True, "groups": 2}, out / "plain_jobs")
     results["plain"] = group_results(out / "plain_jobs", "plain", 2, 2)
     # DiLoCo on 2 groups of one rank for 60 steps (45 batches an epoch), a checkpoint per group at every epoch's end
@@ -70,9 +83,9 @@ def test_survivors_roll_back_a_failed_exchange_and_go_on(runs):
     assert not windows[8]["committed"] and windows[4]["committed"] and windows[12]["committed"]
     assert torch.equal(windows[8]["after"], windows[4]["after"])
     assert survivor["metrics"]["ft/discarded"] == 1.0
-    # Every window of both survivors was the same, and they never stopped: 64 steps, 16 windows and set-up.
+    # Every window of both survivors was the same, and they never stopped: 48 steps, 12 windows and set-up.
     assert windows_of(results[0][0]) == windows_of(results[1][0])
-    assert results[0][0]["global_step"] == results[1][0]["global_step"] == 64
+    assert results[0][0]["global_step"] == results[1][0]["global_step"] == 48
 
 
 def test_restarted_group_rejoins_with_the_live_state(runs):
@@ -82,7 +95,7 @@ def test_restarted_group_rejoins_with_the_live_state(runs):
     assert first["purpose"] == "setup" and first["healed"] and first["committed"]
     assert first["membership"]["contributors"] == first["membership"]["groups"] - 1  # its window was not counted
     steps = first["local_steps"]
-    assert steps % PERIOD == 0 and 8 < steps < 64
+    assert steps % PERIOD == 0 and 32 <= steps < 48
     survivor = {window["local_steps"]: window for window in results[0][0]["windows"]}
     # Bit for bit the others' model after its first window (DiLoCo's reference and momentum came from a peer), and
     # every window after it with all three contributing.
@@ -90,8 +103,23 @@ def test_restarted_group_rejoins_with_the_live_state(runs):
     for window in joined["windows"][1:]:
         assert window["membership"]["contributors"] == 3 and torch.equal(window["after"],
                                                                          survivor[window["local_steps"]]["after"])
-    assert joined["global_step"] == 64
+    assert joined["global_step"] == 48
     assert torch.equal(joined["final"], results[0][0]["final"]) and torch.equal(joined["final"], results[1][0]["final"])
+    # It trained on from the peer's optimizer and schedule: one survivor's Adam moments and step counts at that
+    # window (the two survivors' differ: each trained on its own shard) and their learning rate, halved by StepLR
+    # at the first epoch's end.
+    sources = [{w["local_steps"]: w for w in results[group][0]["windows"]}[steps]["optimizer"] for group in (0, 1)]
+    start = joined["start_optimizer"]
+    assert joined["start_step"] == steps and start["lr"] == sources[0]["lr"] == sources[1]["lr"] == 0.005
+    assert [same_state(start["state"], source["state"]) for source in sources].count(True) == 1
+
+
+def same_state(first, second):
+    """Whether two optimizer ``state_dict()["state"]`` hold equal values for the same parameters."""
+    return first.keys() == second.keys() and all(
+        first[index].keys() == second[index].keys()
+        and all(torch.equal(torch.as_tensor(first[index][key]), torch.as_tensor(second[index][key]))
+                for key in first[index]) for index in first)
 
 
 def test_survivors_average_their_own_work_when_a_node_dies_inside_a_window(runs):
@@ -180,6 +208,23 @@ def test_every_group_resumes_from_its_own_checkpoint_after_a_total_loss(runs):
         assert torch.equal(first["after"], second["after"])
 
 
+def test_a_group_resumes_from_its_checkpoint_on_another_number_of_ranks(runs):
+    written, resized = runs["no_failure"], runs["resized"]
+    for group in (0, 1):
+        # In another layout every rank starts from the checkpoint's consensus (docs/launching.md), which under the
+        # option is the committed model: the window that ended at step 4, not the group's replica at step 6.
+        committed = {window["local_steps"]: window["after"] for window in written[group][0]["windows"]}
+        assert not torch.equal(written[group][0]["after_step"][6], committed[4])
+        assert torch.equal(resized[group][0]["start"], committed[4])
+        assert torch.equal(resized[group][0]["start_anchor"], committed[4])
+        windows = resized[group][0]["windows"]
+        assert [window["local_steps"] for window in windows] == [0, 8, 12]  # the meeting, then the schedule
+        assert all(window["committed"] and window["membership"]["contributors"] == 2 for window in windows)
+        assert resized[group][0]["global_step"] == 12
+    for first, second in zip(resized[0][0]["windows"], resized[1][0]["windows"]):
+        assert torch.equal(first["after"], second["after"])
+
+
 def option(**kwargs):
     return TorchFT(**{"num_replica_groups": 3, "replica_group": 0, "lighthouse": "http://127.0.0.1:1", **kwargs})
 
@@ -216,9 +261,14 @@ def test_periodic_refuses_what_is_not_built_by_name(kwargs, match):
         PeriodicAveragingStrategy(period=4, fault_tolerance=option(), **kwargs)
 
 
-def test_other_strategies_refuse_fault_tolerance_by_name():
-    with pytest.raises(ValueError, match="DynamicAveragingStrategy does not support fault_tolerance"):
-        DynamicAveragingStrategy(fault_tolerance=option())
+@pytest.mark.parametrize("strategy, why", [
+    (DynamicAveragingStrategy, "balancing set grows among named learners"),
+    (SegmentedGossipStrategy, "peers drawn by name"),
+    (DownpourSGDStrategy, "asynchronously"),
+])
+def test_other_strategies_refuse_fault_tolerance_by_name_and_say_why(strategy, why):
+    with pytest.raises(ValueError, match=f"{strategy.__name__} does not support fault_tolerance: .*{why}"):
+        strategy(fault_tolerance=option())
 
 
 @pytest.mark.parametrize("trainer, match", [

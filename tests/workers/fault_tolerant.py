@@ -7,9 +7,14 @@ baseline a run without failures must equal. The spec names the Lighthouse, the g
 strategy's arguments, and the failure to inject into this group: ``{"kill": {"group": 2, "step": 6}}`` exits this
 job's processes right after that optimizer step (inside a window), ``{"kill": {"group": 2, "window": 2,
 "all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange). A restarted job (the
-``restart`` argument) injects nothing. ``"start_barrier"`` makes every group's job wait for the others' before fit, so
-the first quorum has every group. ``"checkpoint"`` writes each group's checkpoint at every epoch's end;
-``"resume_from": NAME`` resumes every group from its own first-epoch checkpoint of run NAME. ``"step_sleep"`` slows every optimizer step (room for a restarted job to start).
+``restart`` argument) injects nothing. ``"start_barrier"`` makes every group's job wait, once its torchft Manager
+heartbeats, for the others' to, so the first quorum has every group (a group whose Manager the Lighthouse has not
+heard of yet is not waited for). ``"await_restart": STEP`` holds the other groups after optimizer step STEP until
+the restarted job's Manager heartbeats, so it rejoins a run still in progress however slowly it starts. ``"checkpoint"`` writes each group's checkpoint at every epoch's end
+(``"checkpoint": STEPS``: every STEPS optimizer steps); ``"resume_from": NAME`` resumes every group from its own
+first-epoch checkpoint of run NAME (``"resume_step": S``: the one written at step S), with this run's layout. ``"step_sleep"`` slows
+every optimizer step (room for a restarted job to start). ``"model": "cnn"`` trains the user CNN of
+``helpers.user_models`` (BatchNorm, Adam, a StepLR schedule per epoch) instead of the package's MLP.
 """
 
 import json
@@ -30,23 +35,30 @@ from lightning_dist.data.datamodules import DigitsDataModule
 from lightning_dist.models import MLPClassifier
 from lightning_dist.strategies import PeriodicAveragingStrategy, TorchFT
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers.user_models
+from helpers.user_models import DigitsCNN, DigitsImages  # noqa: E402
+
 
 class Record(Callback):
     """The model after every optimizer step (and its window, if one ended there), with the global step."""
 
-    def __init__(self, kill_step: int | None, step_sleep: float) -> None:
-        self.kill_step, self.step_sleep = kill_step, step_sleep
+    def __init__(self, kill_step: int | None, step_sleep: float, hold: tuple[int, Path] | None = None) -> None:
+        self.kill_step, self.step_sleep, self.hold = kill_step, step_sleep, hold
         self.after_step: dict[int, torch.Tensor] = {}
 
     def on_train_start(self, trainer, pl_module):
         self.start = trainer.strategy.model_vector.get().clone()
         windows = trainer.strategy._windows
         self.anchor = None if windows is None else windows.anchor.clone()  # the committed model training starts with
+        self.optimizer = optimizer_summary(trainer.optimizers[0])  # a joiner's: a peer's, restored by Lightning
+        self.start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after_step[trainer.global_step] = trainer.strategy.model_vector.get().clone()
         if trainer.global_step == self.kill_step:
             os._exit(17)  # a crash: no clean-up, no goodbye to the quorum
+        if self.hold is not None and trainer.global_step == self.hold[0]:
+            wait_for(lambda: self.hold[1].exists(), f"the restarted job's mark {self.hold[1]}")
         time.sleep(self.step_sleep)
 
 
@@ -68,8 +80,10 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None):
         calls["all_reduce"] = 0
         before = strategy.model_vector.get().clone()
         committed = end_window(purpose)
+        optimizer = strategy.optimizers[0] if strategy.optimizers else None
         windows.append({"purpose": purpose, "before": before, "after": strategy.model_vector.get().clone(),
                         "committed": committed, "healed": strategy._windows.quorum.healed,
+                        "optimizer": None if optimizer is None else optimizer_summary(optimizer),
                         "local_steps": strategy._local_steps,
                         "membership": strategy._windows.quorum.membership.__dict__})
         return committed
@@ -79,12 +93,39 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None):
     return windows
 
 
+def optimizer_summary(optimizer: torch.optim.Optimizer) -> dict:
+    """The learning rate (the schedule's state) and every parameter's optimizer state, copied."""
+    return {"lr": optimizer.param_groups[0]["lr"],
+            "state": {index: {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()}
+                      for index, state in optimizer.state_dict()["state"].items()}}
+
+
+def wait_for(condition, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.05)
+
+
+def after_manager(strategy: PeriodicAveragingStrategy, then) -> None:
+    """Call ``then()`` once this rank's torchft Manager exists (it heartbeats to the Lighthouse from then on)."""
+    make = strategy.replica_group_hierarchy
+
+    def made():
+        hierarchy = make()
+        then()
+        return hierarchy
+
+    strategy.replica_group_hierarchy = made
+
+
 def wait_for_others(barrier: Path, group: int, groups: int) -> None:
     barrier.mkdir(parents=True, exist_ok=True)
     (barrier / f"{group}_{os.environ['LOCAL_RANK']}").touch()
     ranks = int(os.environ["LOCAL_WORLD_SIZE"])
-    while len(list(barrier.iterdir())) < groups * ranks:
-        time.sleep(0.05)
+    wait_for(lambda: len(list(barrier.iterdir())) >= groups * ranks, f"the other groups at {barrier}")
+    time.sleep(0.5)  # the others' heartbeats reach the Lighthouse (every 100 ms)
 
 
 def main() -> None:
@@ -98,12 +139,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     kill = None if restart else spec.get("kill")
     kill = kill if kill and kill["group"] == group else None
-    if spec.get("start_barrier") and not restart and not plain:
-        wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", group, spec["groups"])
 
     L.seed_everything(0, workers=True, verbose=False)
-    datamodule = DigitsDataModule(batch_size=16)
-    model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, hidden_size=32)
+    if spec.get("model") == "cnn":
+        datamodule, model = DigitsImages(batch_size=16), DigitsCNN()
+    else:
+        datamodule = DigitsDataModule(batch_size=16)
+        model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, hidden_size=32)
     kwargs = dict(spec.get("strategy", {}))
     if kwargs.pop("diloco", False):
         kwargs["outer_optimizer"] = diloco_outer_optimizer
@@ -116,14 +158,24 @@ def main() -> None:
                          quorum_timeout=timedelta(seconds=120))
         strategy = PeriodicAveragingStrategy(fault_tolerance=option, **kwargs)
         windows = record_windows(strategy, kill)
-    record = Record(kill.get("step") if kill else None, spec.get("step_sleep", 0.0))
+        if spec.get("start_barrier") and not restart:
+            after_manager(strategy, lambda: wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", group,
+                                                            spec["groups"]))
+    restarted_mark = Path(spec["out"]) / f"{spec['name']}_restarted"
+    if restart:
+        after_manager(strategy, restarted_mark.touch)
+    hold = (spec["await_restart"], restarted_mark) if "await_restart" in spec and not restart and not kill else None
+    record = Record(kill.get("step") if kill else None, spec.get("step_sleep", 0.0), hold)
     callbacks: list[Callback] = [record]
-    if spec.get("checkpoint"):  # every group its own file at every epoch's end
-        callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt_group{group}", every_n_epochs=1, save_top_k=-1,
-                                         filename="{epoch}-{step}"))
+    if spec.get("checkpoint"):  # every group its own file at every epoch's end, or every N steps
+        every = ({"every_n_train_steps": spec["checkpoint"]} if type(spec["checkpoint"]) is int
+                 else {"every_n_epochs": 1})
+        callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt_group{group}", save_top_k=-1, filename="{epoch}-{step}",
+                                         **every))
     ckpt_path = None
     if spec.get("resume_from"):
-        ckpt_path = str(next((Path(spec["out"]) / spec["resume_from"] / f"ckpt_group{group}").glob("epoch=0-*.ckpt")))
+        written = f"*-step={spec['resume_step']}.ckpt" if "resume_step" in spec else "epoch=0-*.ckpt"
+        ckpt_path = str(next((Path(spec["out"]) / spec["resume_from"] / f"ckpt_group{group}").glob(written)))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                         num_nodes=spec["groups"] if plain else 1,
                         max_steps=spec["max_steps"], callbacks=callbacks, logger=False,
@@ -135,6 +187,7 @@ def main() -> None:
     suffix = "_restart" if restart else ""
     torch.save({"windows": windows, "after_step": record.after_step, "final": strategy.model_vector.get(),
                 "start": record.start, "start_anchor": record.anchor,
+                "start_optimizer": record.optimizer, "start_step": record.start_step,
                 "global_step": trainer.global_step, "fit_s": time.monotonic() - started, "comm": strategy.comm.stats,
                 "metrics": strategy.protocol_metrics()},
                out / f"group{group}_rank{os.environ['LOCAL_RANK']}{suffix}.pt")
