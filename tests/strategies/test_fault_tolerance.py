@@ -44,11 +44,13 @@ def runs(tmp_path_factory):
                                       "kill": {"group": 2, "window": 3, "all_reduce": 2}},
                                out, restart_group=2)
     results["rejoin"] = (codes, group_results(out, "rejoin", 3, 1, restarted=(2,)))
-    # Periodic averaging, one learner per group of 2 ranks (DDP inside): group 2 dies inside the second window.
-    codes = run_replica_groups(3, 2, {"name": "node_loss", "max_steps": 16, "start_barrier": True,
-                                      "strategy": {"period": PERIOD, "hierarchy": "node"},
-                                      "kill": {"group": 2, "step": 6}}, out / "node_loss_jobs")
-    results["node_loss"] = (codes, group_results(out / "node_loss_jobs", "node_loss", 2, 2))
+    # Periodic averaging with SGD's momentum, one learner per group of 2 ranks (DDP inside): group 2 dies inside the
+    # second window and is started again at once; the others hold after step 12 until it is up.
+    codes = run_replica_groups(3, 2, {"name": "node_loss", "max_steps": 20, "start_barrier": True, "momentum": 0.9,
+                                      "step_sleep": 0.2,
+                                      "strategy": {"period": PERIOD, "hierarchy": "node"}, "await_restart": 12,
+                                      "kill": {"group": 2, "step": 6}}, out / "node_loss_jobs", restart_group=2)
+    results["node_loss"] = (codes, group_results(out / "node_loss_jobs", "node_loss", 3, 2, restarted=(2,)))
     # No failure: DiLoCo on 2 groups of 2 ranks, against the same fit without the option on 2 nodes of 2 ranks. Each
     # group writes a checkpoint at step 6 (inside a window), from which it resumes on one rank.
     spec = {"max_steps": 12, "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True, "hierarchy": "node"}}
@@ -136,7 +138,27 @@ def test_survivors_average_their_own_work_when_a_node_dies_inside_a_window(runs)
             rank_windows = {w["local_steps"]: w for w in results[group][rank]["windows"]}
             assert torch.equal(rank_windows[8]["after"], mean)
             assert all(w["committed"] for w in rank_windows.values())
-    assert first["global_step"] == 16 and torch.equal(first["final"], second["final"])
+    assert first["global_step"] == 20 and torch.equal(first["final"], second["final"])
+
+
+def test_a_restarted_group_of_two_ranks_rejoins_with_one_optimizer_state(runs):
+    _, results = runs["node_loss"]
+    joined = results["2_restart"]
+    first = joined[0]["windows"][0]
+    steps = first["local_steps"]
+    assert first["purpose"] == "setup" and first["healed"] and first["committed"] and 12 <= steps < 20
+    survivors = [{window["local_steps"]: window for window in results[group][0]["windows"]} for group in (0, 1)]
+    for rank in (0, 1):
+        # Both ranks hold the others' model after every window, and one optimizer state: torchft heals each local
+        # rank from the group it picks for it; local rank 0's is shared, as DDP inside the group needs.
+        assert all(torch.equal(window["after"], survivors[0][window["local_steps"]]["after"])
+                   for window in joined[rank]["windows"])
+        assert same_state(joined[rank]["start_optimizer"]["state"], joined[0]["start_optimizer"]["state"])
+        assert joined[rank]["global_step"] == 20
+    # ... the momentum buffers of one survivor at that window (the two survivors' differ: their own shards).
+    sources = [survivors[group][steps]["optimizer"]["state"] for group in (0, 1)]
+    assert [same_state(joined[0]["start_optimizer"]["state"], source) for source in sources].count(True) == 1
+    assert all(window["membership"]["contributors"] == 3 for window in joined[0]["windows"][1:])
 
 
 def test_no_failure_equals_the_run_without_the_option(runs):

@@ -10,11 +10,13 @@ job's processes right after that optimizer step (inside a window), ``{"kill": {"
 ``restart`` argument) injects nothing. ``"start_barrier"`` makes every group's job wait, once its torchft Manager
 heartbeats, for the others' to, so the first quorum has every group (a group whose Manager the Lighthouse has not
 heard of yet is not waited for). ``"await_restart": STEP`` holds the other groups after optimizer step STEP until
-the restarted job's Manager heartbeats, so it rejoins a run still in progress however slowly it starts. ``"checkpoint"`` writes each group's checkpoint at every epoch's end
+the restarted job asks for its first quorum, so it rejoins a run still in progress however slowly it starts (the
+Lighthouse forms a quorum of the previous one's groups without waiting for a newcomer that has not asked yet). ``"checkpoint"`` writes each group's checkpoint at every epoch's end
 (``"checkpoint": STEPS``: every STEPS optimizer steps); ``"resume_from": NAME`` resumes every group from its own
 first-epoch checkpoint of run NAME (``"resume_step": S``: the one written at step S), with this run's layout. ``"step_sleep"`` slows
 every optimizer step (room for a restarted job to start). ``"model": "cnn"`` trains the user CNN of
-``helpers.user_models`` (BatchNorm, Adam, a StepLR schedule per epoch) instead of the package's MLP.
+``helpers.user_models`` (BatchNorm, Adam, a StepLR schedule per epoch) instead of the package's MLP (SGD, with
+``"momentum"`` if given).
 """
 
 import json
@@ -62,8 +64,9 @@ class Record(Callback):
         time.sleep(self.step_sleep)
 
 
-def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None):
-    """Keep every window's replica before the exchange, and whether it was committed; inject the exchange failure."""
+def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first_quorum: Path | None = None):
+    """Keep every window's replica before the exchange, and whether it was committed; inject the exchange failure.
+    With ``first_quorum``, that file is created as this job asks for its first quorum."""
     windows: list[dict] = []
     end_window = strategy.end_window
     all_reduce = QuorumCommunicator.all_reduce_sum_
@@ -78,6 +81,8 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None):
     def recorded(purpose: str) -> bool:
         calls["window"] += 1
         calls["all_reduce"] = 0
+        if first_quorum is not None and calls["window"] == 1:
+            first_quorum.touch()
         before = strategy.model_vector.get().clone()
         committed = end_window(purpose)
         optimizer = strategy.optimizers[0] if strategy.optimizers else None
@@ -139,13 +144,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     kill = None if restart else spec.get("kill")
     kill = kill if kill and kill["group"] == group else None
+    restarted_mark = Path(spec["out"]) / f"{spec['name']}_restarted"
 
     L.seed_everything(0, workers=True, verbose=False)
     if spec.get("model") == "cnn":
         datamodule, model = DigitsImages(batch_size=16), DigitsCNN()
     else:
         datamodule = DigitsDataModule(batch_size=16)
-        model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, hidden_size=32)
+        model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes, hidden_size=32,
+                              momentum=spec.get("momentum", 0.0))
     kwargs = dict(spec.get("strategy", {}))
     if kwargs.pop("diloco", False):
         kwargs["outer_optimizer"] = diloco_outer_optimizer
@@ -157,13 +164,10 @@ def main() -> None:
                          replica_group=group, lighthouse=spec["lighthouse"], timeout=timedelta(seconds=30),
                          quorum_timeout=timedelta(seconds=120))
         strategy = PeriodicAveragingStrategy(fault_tolerance=option, **kwargs)
-        windows = record_windows(strategy, kill)
+        windows = record_windows(strategy, kill, restarted_mark if restart else None)
         if spec.get("start_barrier") and not restart:
             after_manager(strategy, lambda: wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", group,
                                                             spec["groups"]))
-    restarted_mark = Path(spec["out"]) / f"{spec['name']}_restarted"
-    if restart:
-        after_manager(strategy, restarted_mark.touch)
     hold = (spec["await_restart"], restarted_mark) if "await_restart" in spec and not restart and not kill else None
     record = Record(kill.get("step") if kill else None, spec.get("step_sleep", 0.0), hold)
     callbacks: list[Callback] = [record]
