@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.paths import REPO
+from benchmarks.common.process import kill_tree
 
 
 class RunFailed(RuntimeError):
@@ -38,7 +38,7 @@ def launch(
     """Run one spec under torchrun with ``worker``; return its JSON result (with ``launch_s`` and ``exit_code``).
 
     The spec goes to ``work_dir/<name>.spec.json``, the processes' output to ``<name>.log``; ``env`` is added to
-    :func:`worker_env`. torchrun runs in a session of its own, killed whole (its workers too) on a timeout.
+    :func:`worker_env`. torchrun and its workers are killed whole on a timeout (:func:`~benchmarks.common.process.kill_tree`).
     """
     work_dir.mkdir(parents=True, exist_ok=True)
     name = spec["name"]
@@ -58,7 +58,7 @@ def launch(
         try:
             code = process.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: the session started above
+            kill_tree(process.pid)  # torchrun and its workers (each in a session of its own)
             process.wait()
             code = None
     elapsed = time.perf_counter() - start
@@ -108,7 +108,7 @@ def launch_on_network(network: Any, spec: dict[str, Any], work_dir: Path, timeou
     if None in codes:
         for process in processes:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)  # its own session (netns.Network.run)
+                kill_tree(process.pid)  # torchrun and its workers (each in a session of its own)
                 process.wait()
     elapsed = time.perf_counter() - start
     if None in codes or not result_path.exists():

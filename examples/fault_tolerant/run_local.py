@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # benchmarks.common.process
+from benchmarks.common.process import kill_tree  # noqa: E402  (torchrun's workers live in sessions of their own)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "diloco.yaml"
 QUORUM = re.compile(r"lightning_dist: quorum (\S+): (\d+) replica group\(s\), (\d+) contributing")
 
@@ -71,19 +72,6 @@ def group_job(group: int, args: argparse.Namespace, lighthouse_port: int, tag: s
                "--trainer.enable_progress_bar=false", *args.overrides]
     log = (workdir / f"group{group}{tag}.log").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a torchrun agent and every process under it: torchrun starts its workers in sessions of their own, so
-    killing the agent's process group leaves them training (an orphaned group that the restarted one would join
-    as a second copy)."""
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in task.read_text().split():
-            kill_tree(int(child))
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def windows_in(log: Path) -> list[dict[str, Any]]:

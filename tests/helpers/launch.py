@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.process import kill_tree
+
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,6 +23,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop(agent: subprocess.Popen) -> None:
+    """Kill a torchrun agent that is still running and its workers (torchrun starts them in sessions of their own,
+    so killing the agent alone leaves them training). A finished agent is left alone: its pid may be another's."""
+    if agent.poll() is None:
+        kill_tree(agent.pid)
+        agent.wait()
 
 
 def run_ranks(
@@ -38,7 +48,13 @@ def run_ranks(
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=out_dir)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=out_dir) as agent:
+        try:
+            stdout, stderr = agent.communicate(timeout=timeout)
+        finally:  # a timeout or an interrupt: the workers too (subprocess.run would kill the agent alone)
+            stop(agent)
+    result = subprocess.CompletedProcess(command, agent.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"torchrun exited {result.returncode}\n--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-8000:]}")
     return result
@@ -71,7 +87,7 @@ def run_nodes(
             outputs.append(agent.communicate(timeout=timeout)[0])
     finally:
         for agent in agents:
-            agent.kill()
+            stop(agent)
     failed = [(node, agent.returncode) for node, agent in enumerate(agents) if agent.returncode != 0]
     if check and failed:
         raise AssertionError(f"node agents exited {failed}\n" + "\n".join(f"--- node {node}\n{output[-6000:]}"
@@ -141,5 +157,5 @@ def run_replica_groups(
         return {group: job.wait(timeout=timeout) for group, job in jobs.items()}
     finally:
         for job in jobs.values():
-            job.kill()
+            stop(job)
         stop_lighthouse()
