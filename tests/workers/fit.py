@@ -102,6 +102,21 @@ def main() -> None:
         fit({**spec, **overrides, "out": str(out)})
 
 
+def meet(key: str) -> None:
+    """Wait until every rank of the launch is here, through torchrun's store. A fit whose process groups time out
+    after seconds must not start them seconds apart: the ranks' imports and set-up take different times, and Gloo
+    refuses a group whose ranks do not connect within the timeout."""
+    import datetime
+    import os
+    import time
+
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=datetime.timedelta(seconds=120))
+    store.add(key, 1)
+    while store.add(key, 0) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.01)
+
+
 def fit(spec: dict) -> None:
     out = Path(spec["out"])
     L.seed_everything(spec.get("seed", 0) + 0, workers=True)
@@ -144,6 +159,8 @@ def fit(spec: dict) -> None:
         enable_checkpointing=bool(spec.get("checkpoint_dir")), callbacks=callbacks, plugins=plugins,
         num_sanity_val_steps=0, deterministic=True, **spec.get("trainer", {}),
     )
+    if isinstance(strategy_spec, dict) and "timeout_seconds" in strategy_spec:
+        meet(f"lightning_dist_test/start/{spec.get('name', '')}")
     error = None
     started = __import__("time").perf_counter()
     try:
