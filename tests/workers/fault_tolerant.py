@@ -7,15 +7,19 @@ baseline a run without failures must equal. The spec names the Lighthouse, the g
 strategy's arguments, and the failure to inject into this group: ``{"kill": {"group": 2, "step": 6}}`` exits this
 job's processes right after that optimizer step (inside a window), ``{"kill": {"group": 2, "window": 2,
 "all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange). A restarted job (the
-``restart`` argument) injects nothing. ``"start_barrier"`` makes every group's job wait, once its torchft Manager
-heartbeats, for the others' to, so the first quorum has every group (a group whose Manager the Lighthouse has not
-heard of yet is not waited for). ``"await_restart": STEP`` holds the other groups after optimizer step STEP until
-the restarted job asks for its first quorum, so it rejoins a run still in progress however slowly it starts (the
-Lighthouse forms a quorum of the previous one's groups without waiting for a newcomer that has not asked yet). ``"checkpoint"`` writes each group's checkpoint at every epoch's end
-(``"checkpoint": STEPS``: every STEPS optimizer steps); ``"resume_from": NAME`` resumes every group from its own
-first-epoch checkpoint of run NAME (``"resume_step": S``: the one written at step S), with this run's layout. ``"step_sleep"`` slows
-every optimizer step (room for a restarted job to start). ``"model": "cnn"`` trains the user CNN of
-``helpers.user_models`` (BatchNorm, Adam, a StepLR schedule per epoch) instead of the package's MLP (SGD, with
+``restart`` argument) injects nothing.
+
+``"start_barrier"`` makes every group's job wait, once its torchft Manager heartbeats, for the others' to, so the
+first quorum has every group (a group whose Manager the Lighthouse has not heard of yet is not waited for).
+``"await_restart": STEP`` holds the other groups after optimizer step STEP until the restarted job asks for its first
+quorum, so it rejoins a run still in progress however slowly it starts (the Lighthouse forms a quorum of the
+previous one's groups without waiting for a newcomer that has not asked yet). ``"step_sleep"`` slows every
+optimizer step.
+
+``"checkpoint"`` writes each group's checkpoint at every epoch's end (``"checkpoint": STEPS``: every STEPS optimizer
+steps); ``"resume_from": NAME`` resumes every group from its own first-epoch checkpoint of run NAME
+(``"resume_step": S``: the one written at step S), with this run's layout. ``"model": "cnn"`` trains the user CNN
+of ``helpers.user_models`` (BatchNorm, Adam, a StepLR schedule per epoch) instead of the package's MLP (SGD, with
 ``"momentum"`` if given).
 """
 

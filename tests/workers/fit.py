@@ -6,7 +6,10 @@ costs more than these fits) and each writes ``<out>/<name>/rank<r>.pt``.
 """
 
 import json
+import os
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -48,7 +51,7 @@ class Stall(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            __import__("time").sleep(self.seconds)
+            time.sleep(self.seconds)
 
 
 def vector_of(trainer, pl_module) -> torch.Tensor:
@@ -88,7 +91,7 @@ class RecordLossScale(Callback):
 def loss_scaled(base: float) -> MixedPrecision:
     """fp16 autocast with a loss scaler on the CPU (Lightning's ``"16-mixed"`` turns into bf16 there), whose
     initial scale differs per rank, ``base * 2**rank``: each rank's scale follows its own gradients."""
-    rank = int(__import__("os").environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=base * 2**rank))
 
 
@@ -106,12 +109,8 @@ def meet(key: str) -> None:
     """Wait until every rank of the launch is here, through torchrun's store. A fit whose process groups time out
     after seconds must not start them seconds apart: the ranks' imports and set-up take different times, and Gloo
     refuses a group whose ranks do not connect within the timeout."""
-    import datetime
-    import os
-    import time
-
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                       timeout=datetime.timedelta(seconds=120))
+                                       timeout=timedelta(seconds=120))
     store.add(key, 1)
     while store.add(key, 0) < int(os.environ["WORLD_SIZE"]):
         time.sleep(0.01)
@@ -126,10 +125,10 @@ def fit(spec: dict) -> None:
     else:
         kwargs = dict(strategy_spec.get("kwargs", {}))
         if "timeout_seconds" in strategy_spec:
-            kwargs["timeout"] = __import__("datetime").timedelta(seconds=strategy_spec["timeout_seconds"])
+            kwargs["timeout"] = timedelta(seconds=strategy_spec["timeout_seconds"])
         strategy = getattr(lightning_dist, strategy_spec["class"])(**kwargs)
     averaging.AVERAGE_BUCKET = spec.get("bucket", DEFAULT_BUCKET)  # buckets of a blocking average and outer step
-    torch.manual_seed(1000 + int(__import__("os").environ.get("RANK", "0")))  # replicas must be made identical by the strategy
+    torch.manual_seed(1000 + int(os.environ.get("RANK", "0")))  # replicas must be made identical by the strategy
     if spec.get("user_model"):  # a module that is not the package's: BatchNorm, Dropout, Adam, StepLR
         datamodule, model = DigitsImages(), DigitsCNN()
     else:
@@ -154,7 +153,7 @@ def fit(spec: dict) -> None:
         callbacks.append(ModelCheckpoint(dirpath=spec["checkpoint_dir"], save_top_k=-1, every_n_epochs=1, save_last=False,
                                          filename="{epoch}-{step}"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=spec.get("devices", int(__import__("os").environ["LOCAL_WORLD_SIZE"])),
+        accelerator="cpu", devices=spec.get("devices", int(os.environ["LOCAL_WORLD_SIZE"])),
         strategy=strategy, logger=spec.get("logger", False), enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=bool(spec.get("checkpoint_dir")), callbacks=callbacks, plugins=plugins,
         num_sanity_val_steps=0, deterministic=True, **spec.get("trainer", {}),
@@ -162,12 +161,12 @@ def fit(spec: dict) -> None:
     if isinstance(strategy_spec, dict) and "timeout_seconds" in strategy_spec:
         meet(f"lightning_dist_test/start/{spec.get('name', '')}")
     error = None
-    started = __import__("time").perf_counter()
+    started = time.perf_counter()
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=spec.get("ckpt_path"))
     except Exception as exc:  # reported to the test, which asserts on it
         error = f"{type(exc).__name__}: {exc}"
-    result = {"error": error, "rank": trainer.global_rank, "fit_seconds": __import__("time").perf_counter() - started}
+    result = {"error": error, "rank": trainer.global_rank, "fit_seconds": time.perf_counter() - started}
     if error is None:
         result.update(
             vector=vector_of(trainer, model),
