@@ -133,14 +133,17 @@ def compress_chunks(
 
 
 def compressed_mean(
-    deltas: Sequence[Tensor], worker_residuals: Sequence[Tensor], owner_residuals: Sequence[Tensor], codec: str
+    deltas: Sequence[Tensor], worker_residuals: Sequence[Tensor], owner_residuals: Sequence[Tensor], codec: str,
+    contributors: int | None = None,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """One compressed synchronization of ``m`` ranks in one process: the executable definition.
 
     ``deltas[i] = f_i - r``; ``worker_residuals[i]`` is rank ``i``'s ``e_i`` (the whole vector),
     ``owner_residuals[j]`` rank ``j``'s ``s_j`` (its chunk of :func:`chunk_bounds` over ranks
     ``0..m-1``), all float32. Returns the applied update ``D(Q(u))`` (every replica's new model is
-    ``r`` plus it) and the new residuals.
+    ``r`` plus it) and the new residuals. ``u`` divides the chunks' sums by ``contributors`` (default ``m``): a
+    rank whose delta and residual are zero (a replica group healed in this window, under ``fault_tolerance``)
+    is then not counted.
     """
     ranks = list(range(len(deltas)))
     bounds = list(chunk_bounds(deltas[0].numel(), ranks).values())
@@ -152,7 +155,7 @@ def compressed_mean(
     applied, new_owner = [], []
     for owner, residual in zip(ranks, owner_residuals):
         chunk_sum = sum(decode(pieces[owner], codec) for pieces in compressed)
-        pieces, residual = compress_chunks(chunk_sum / len(ranks), residual, codec, [(0, residual.numel())])
+        pieces, residual = compress_chunks(chunk_sum / (contributors or len(ranks)), residual, codec, [(0, residual.numel())])
         applied.append(decode(pieces[0], codec))
         new_owner.append(residual)
     return torch.cat(applied), new_worker, new_owner

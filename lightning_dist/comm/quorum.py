@@ -12,14 +12,17 @@ commit failed) receives the live state from an up-to-date peer inside the quorum
 transport), nothing read from disk.
 
 :class:`QuorumCommunicator` is what the averaging code sees as the learners' communicator (``rank``,
-``world_size``, ``level``, ``all_reduce_sum_``, ``stats``), with the quorum's calls beside it. Its ``world_size``
-is the number of groups that contribute to this window (:meth:`QuorumCommunicator.count_contributors`), not
-torchft's participant count: a group that was healed in this quorum takes part in the all-reduce with zeros
-(its window trained from a model the others have left) and is not counted in the mean.
+``world_size``, ``level``, ``all_reduce_sum_``, ``exchange``, ``stats``), with the quorum's calls beside it. Its
+``rank`` and ``world_size`` are torchft's participating rank and count; ``contributors``
+(:meth:`QuorumCommunicator.count_contributors`) is how many of them the window's mean is of: a group that was
+healed in this quorum takes part in the exchange with a zero contribution (its window trained from a model the
+others have left) and is not counted in the mean.
 
 torchft's ``Manager.allreduce`` does not raise: after a failure it logs, marks the step errored and turns the
-rest of the window's all-reduces into no-ops whose tensors hold garbage. The averaging code therefore writes
-its results where a rollback can undo them, and :meth:`QuorumCommunicator.commit` decides.
+rest of the window's all-reduces into no-ops whose tensors hold garbage. :meth:`QuorumCommunicator.exchange` (the
+point-to-point transfers of compressed synchronizations, on torchft's group as its quantized all-reduce runs its
+all-to-all) follows the same rule. The averaging code therefore writes its results where a rollback can undo
+them, and :meth:`QuorumCommunicator.commit` decides.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -79,6 +82,7 @@ class QuorumCommunicator:
         self.group, self.groups = group, groups
         self.rank = 0
         self.world_size = 1
+        self.contributors = 0
         self.membership: Membership | None = None
         self.healed = False
         self.on_membership: Callable[[Membership | None, Membership], None] | None = None
@@ -92,9 +96,14 @@ class QuorumCommunicator:
         self.healed = False
         self.manager.start_quorum()
 
+    def committed_before(self) -> bool:
+        """Whether a window of this run has been committed: torchft's step, the same on every group of the quorum
+        once it has formed (a group that is behind was healed to it)."""
+        return self.manager.current_step() > 0
+
     def count_contributors(self, contributes: bool, device: torch.device) -> int:
-        """How many groups contribute to this window; sets ``rank`` and ``world_size``. One all-reduce of which
-        groups are present and whether each contributes.
+        """How many groups contribute to this window; sets ``rank``, ``world_size`` and ``contributors``. One
+        all-reduce of which groups are present and whether each contributes.
 
         A group contributes unless it was healed in this quorum. 0 when the exchange failed (nothing to average)
         or when a group is in the quorum twice: two processes run as one replica group (typically a worker left
@@ -115,7 +124,8 @@ class QuorumCommunicator:
                 f"training). Stop every copy of group {self.group} and start it once.")
         contributors = 0 if failed or twice else int(round(float(total[self.groups])))
         self.rank = self.manager.participating_rank() or 0
-        self.world_size = max(contributors, 1)
+        self.world_size = max(self.manager.num_participants(), 1)
+        self.contributors = contributors
         membership = Membership(self.manager._quorum_id, self.manager.num_participants(), contributors)
         if self.on_membership is not None and membership != self.membership:
             self.on_membership(self.membership, membership)
@@ -134,6 +144,39 @@ class QuorumCommunicator:
         share = total // groups + (total % groups if rank == 0 else 0)
         self.stats.record(purpose, share, 2 * (groups - 1), self.level)
         return tensor
+
+    def exchange(self, sends: Sequence[tuple[Tensor, int]], receives: Sequence[tuple[Tensor, int]],
+                 purpose: str) -> None:
+        """One batch of point-to-point transfers between the quorum's participating ranks (as
+        :meth:`Communicator.exchange <lightning_dist.comm.Communicator.exchange>`: between one pair, receives in the
+        order of the matching sends), over torchft's group. Staged through the host (torchft's Gloo group);
+        counted at the sender. After a failure, here or earlier in the window, a no-op: the receive buffers then
+        hold garbage (see :meth:`commit`)."""
+        if self.failed():
+            return
+        group = self.manager._pg  # torchft's reconfigurable group of this quorum (its Manager's own collectives' too)
+        tags: dict[tuple[str, int], int] = {}
+
+        def tag(direction: str, peer: int) -> int:  # the k-th message either way between a pair
+            tags[direction, peer] = tags.get((direction, peer), -1) + 1
+            return tags[direction, peer]
+
+        staged = [(buffer, buffer.to("cpu") if buffer.device.type != "cpu" else buffer) for buffer, _ in receives]
+        try:
+            works = [group.recv([wire], source, tag("in", source)) for (_, wire), (_, source) in zip(staged, receives)]
+            works += [group.send([tensor.contiguous().to("cpu")], destination, tag("out", destination))
+                      for tensor, destination in sends]
+            for work in works:
+                work.wait()
+        except Exception as error:  # a member lost inside the exchange: the window fails, as torchft's allreduce
+            log.warning("lightning_dist: exchange between replica groups failed: %s", error)
+            self.manager.report_error(error)
+            return
+        for buffer, wire in staged:
+            if wire is not buffer:
+                buffer.copy_(wire)
+        self.stats.record(purpose, sum(tensor.numel() * tensor.element_size() for tensor, _ in sends), len(sends),
+                          self.level)
 
     def failed(self) -> bool:
         """Whether this window's exchange failed on this rank so far (its results are garbage)."""

@@ -28,6 +28,7 @@ from lightning_dist.algorithms.compression import (
     Encoded,
     compress_chunks,
     decode,
+    encode,
     num_blocks,
 )
 from lightning_dist.algorithms.subset_average import chunk_bounds
@@ -59,32 +60,49 @@ class CompressedAverage:
         self.hold(common)
         self.residual = self.owner_residual = None
 
-    def average(self, comm: Communicator, local: Tensor, num_parameters: int, purpose: str) -> Tensor:
-        """The common model plus the compressed mean of all ranks' deltas, the same on every rank.
+    def recut(self) -> None:
+        """The learners' chunks are cut anew (under ``fault_tolerance``, a replica group lost or joined): the owner
+        residual, owed to the chunk this rank owned, is dropped (a quantization error's worth); ``e_i`` is kept."""
+        self.owner_residual = None
+
+    def average(self, comm: Communicator, local: Tensor, num_parameters: int, purpose: str,
+                contributors: int | None = None, contributes: bool = True) -> Tensor:
+        """The common model plus the compressed mean of the contributing ranks' deltas, the same on every rank.
 
         ``local``'s first ``num_parameters`` elements are parameters, compressed; the rest are buffers (BatchNorm's
         statistics), averaged exactly by an all-reduce in the accumulation dtype: a quantized running variance can
         decode below zero (:func:`~lightning_dist.algorithms.compression.compressed_model_mean`, this exchange's
         definition). The caller has checked that every rank's ``local`` is finite (a non-finite delta would turn a
         block's scale, and with it the mean, non-finite).
+
+        ``contributors`` (default: every rank) is how many ranks the mean is of; a rank that does not
+        ``contribute`` (under ``fault_tolerance``, a replica group healed in this window) sends a zero delta and
+        zero buffers, its residual untouched, and still owns its chunk of the mean.
         """
         assert self.common is not None, "hold() the common model before the first synchronization"
         dtype = accumulation_dtype(local.dtype)
         rank, ranks = comm.rank, list(range(comm.world_size))
         bounds = chunk_bounds(num_parameters, ranks)
         start, stop = bounds[rank]
-        if self.residual is None or self.owner_residual is None:
+        if self.residual is None:
             self.residual = torch.zeros(num_parameters, dtype=torch.float32, device=local.device)
+        if self.owner_residual is None:
             self.owner_residual = torch.zeros(stop - start, dtype=torch.float32, device=local.device)
         anchor = self.common[:num_parameters].to(dtype)
-        delta = (local[:num_parameters].to(dtype) - anchor).to(torch.float32)  # a new tensor: the residual's
-        pieces, self.residual = compress_chunks(delta, self.residual, self.codec, list(bounds.values()), overwrite=True)
+        if contributes:
+            delta = (local[:num_parameters].to(dtype) - anchor).to(torch.float32)  # a new tensor: the residual's
+            pieces, self.residual = compress_chunks(delta, self.residual, self.codec, list(bounds.values()),
+                                                    overwrite=True)
+        else:
+            pieces = [encode(torch.zeros(end - begin, dtype=torch.float32, device=local.device), self.codec)
+                      for begin, end in bounds.values()]
         received = self._exchange(comm, {owner: pieces[owner] for owner in ranks if owner != rank},
                                   {source: bounds[rank] for source in ranks if source != rank}, purpose)
         received[rank] = pieces[rank]
         chunk_sum = sum(decode(received[source], self.codec) for source in ranks)  # a new tensor: the residual's
         (mean_piece,), self.owner_residual = compress_chunks(
-            chunk_sum.div_(len(ranks)), self.owner_residual, self.codec, [(0, stop - start)], overwrite=True)
+            chunk_sum.div_(contributors or len(ranks)), self.owner_residual, self.codec, [(0, stop - start)],
+            overwrite=True)
         gathered = self._exchange(comm, {member: mean_piece for member in ranks if member != rank},
                                   {owner: bounds[owner] for owner in ranks if owner != rank}, purpose)
         gathered[rank] = mean_piece
@@ -93,9 +111,13 @@ class CompressedAverage:
         for owner in ranks:
             begin, end = bounds[owner]
             torch.add(anchor[begin:end], decode(gathered[owner], self.codec).to(dtype), out=mean[begin:end])
-        buffers = mean[num_parameters:].copy_(local[num_parameters:])
+        buffers = mean[num_parameters:]
         if buffers.numel():
-            comm.all_reduce_sum_(buffers, purpose).div_(comm.world_size)
+            if contributes:
+                buffers.copy_(local[num_parameters:])
+            else:
+                buffers.zero_()
+            comm.all_reduce_sum_(buffers, purpose).div_(contributors or comm.world_size)
         return mean.to(local.dtype)
 
     def _exchange(self, comm: Communicator, outgoing: dict[int, Encoded], incoming: dict[int, tuple[int, int]],

@@ -54,7 +54,7 @@ from lightning_dist.comm.quorum import Membership, QuorumCommunicator, torchft_m
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._bucketed_average import bucket_bounds
 from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
-from lightning_dist.strategies._fragment_exchange import Lanes, exchanges
+from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes, exchanges
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,8 @@ class FaultTolerantWindows:
     Args:
         vector: the model as one vector.
         lanes: the job's communicator and the hierarchy whose ``inter_node`` is the :class:`QuorumCommunicator`.
+        buckets: the strategy's buckets of a full synchronization, with their compressed state under
+            ``compression`` (the state its checkpoints keep).
         anchor_device: where the committed model lives between windows (the host by default).
         check_finite: a collective inside the group that raises, naming the ranks, if this rank's model is not
             finite (a group never sends a non-finite model; the error stops it, and the others go on without it).
@@ -138,7 +140,7 @@ class FaultTolerantWindows:
             local rank on its own (from the group its local rank maps to); the group contributes only if none was.
     """
 
-    def __init__(self, vector: ModelVector, lanes: Lanes, anchor_device: torch.device,
+    def __init__(self, vector: ModelVector, lanes: Lanes, buckets: list[FragmentExchange], anchor_device: torch.device,
                  check_finite: Callable[[], None], group_any: Callable[[bool], bool]) -> None:
         assert lanes.hierarchy is not None and isinstance(lanes.hierarchy.inter_node, QuorumCommunicator)
         self.vector = vector
@@ -146,8 +148,14 @@ class FaultTolerantWindows:
         self.quorum: QuorumCommunicator = lanes.hierarchy.inter_node
         self.check_finite = check_finite
         self.group_any = group_any
-        self.buckets = exchanges(bucket_bounds(vector.numel), vector.num_parameters, lanes.hierarchy, None,
-                                 vector.parameters[0].device, None)
+        self.buckets = buckets
+        self.compresses = any(bucket.compressed is not None for bucket in buckets)
+        # A run's first window averages exactly: the groups' start models (equal only when seeded alike) have no
+        # common model yet to send deltas from.
+        self.exact = buckets if not self.compresses else exchanges(
+            [(bucket.start, bucket.stop) for bucket in buckets], vector.num_parameters, lanes.hierarchy, None,
+            vector.parameters[0].device, None)
+        self.chunks: tuple[int, int] | None = None  # (rank, groups) the compressed exchanges' chunks are cut for
         self.anchor = vector.get().to(anchor_device, copy=True)
         self.commits = 0
         self.discarded = 0
@@ -162,11 +170,12 @@ class FaultTolerantWindows:
         if contributes:
             self.check_finite()
         contributors = self.quorum.count_contributors(contributes, self.anchor.device)
-        for bucket in self.buckets:
+        # torchft's step, the same on every group in the quorum: all compress, or none.
+        compressed = self.compresses and self.quorum.committed_before()
+        rollback = self._prepare_compressed(contributes) if compressed else None
+        for bucket in self.buckets if compressed else self.exact:
             fragment = self.vector.get_range(bucket.start, bucket.stop)
-            if not contributes:
-                fragment.zero_()
-            self.vector.set_range(bucket.start, bucket.mean(self.lanes, fragment, purpose))
+            self.vector.set_range(bucket.start, bucket.mean(self.lanes, fragment, purpose, contributors, contributes))
         committed = self.quorum.commit() and contributors > 0
         for start, stop in bucket_bounds(self.vector.numel, None if outer is None else outer.bucket):
             if committed:
@@ -176,6 +185,14 @@ class FaultTolerantWindows:
                 self.anchor[start:stop].copy_(self.vector.get_range(start, stop))
             else:
                 self.vector.set_range(start, self.anchor[start:stop])
+        if committed and self.compresses:  # the next deltas are taken from the committed model
+            for bucket in self.buckets:
+                bucket.hold(self.anchor[bucket.start:bucket.stop], copy=True)
+            if compressed:
+                self.chunks = (self.quorum.rank, self.quorum.world_size)
+        elif rollback is not None:  # the residuals as they were: the discarded window's deltas were never applied
+            for bucket, state in zip(self.buckets, rollback):
+                bucket.load_state_dict(state)
         self.unshown = True
         if committed:
             self.commits += 1
@@ -185,6 +202,20 @@ class FaultTolerantWindows:
                         "committed model", "the exchange failed" if self.quorum.failed() else
                         "fewer than min_replicas groups, or another rank of this group failed")
         return committed
+
+    def _prepare_compressed(self, contributes: bool) -> list[dict[str, Any]]:
+        """Before a compressed exchange: its state to restore if the window is discarded (references: the exchange
+        replaces the residuals, it does not change them in place); a healed group's deltas from the committed model
+        it received, its residuals (a window the others discarded) at zero; the chunks cut anew if the quorum's
+        groups changed since the last committed compressed window."""
+        rollback = [bucket.state_dict() for bucket in self.buckets]
+        recut = self.chunks != (self.quorum.rank, self.quorum.world_size)
+        for bucket in self.buckets:
+            if not contributes:
+                bucket.restart(self.anchor[bucket.start:bucket.stop])
+            elif recut:
+                bucket.recut()
+        return rollback
 
     def _log_membership(self, before: Membership | None, now: Membership) -> None:
         log.warning("lightning_dist: quorum %s: %d replica group(s), %d contributing (was %s)", now.quorum_id,
@@ -285,7 +316,8 @@ class ReplicaGroups:
         window). A group joining a run in progress has Lightning restore the peer's loops, schedulers and optimizer
         state after set-up, as from a checkpoint (not read from disk)."""
         assert self._hierarchy is not None
-        self._windows = FaultTolerantWindows(self.model_vector, Lanes(self.comm, self._hierarchy), HOST,
+        assert self._buckets is not None  # made at set-up: the job always has a hierarchy
+        self._windows = FaultTolerantWindows(self.model_vector, Lanes(self.comm, self._hierarchy), self._buckets, HOST,
                                              lambda: self.raise_unless_finite(self.model_vector.all_finite()),
                                              self.group_any)
         committed = self.end_window("setup")
@@ -390,8 +422,11 @@ class ReplicaGroups:
 
     def fault_tolerance_state(self) -> dict[str, Any]:
         """The part of ``protocol_state_dict`` the option adds: the last committed model (the same on every rank and
-        group), so a checkpoint written inside a window resumes with it."""
-        return {} if self._windows is None else {FAULT_TOLERANCE_KEY: {"anchor": self._windows.anchor}}
+        group), so a checkpoint written inside a window resumes with it, and under ``compression`` the quorum layout
+        the owners' residuals were cut for."""
+        if self._windows is None:
+            return {}
+        return {FAULT_TOLERANCE_KEY: {"anchor": self._windows.anchor, "chunks": self._windows.chunks}}
 
     def load_fault_tolerance_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`fault_tolerance_state`'s part; a checkpoint written with the option set otherwise is
@@ -403,6 +438,7 @@ class ReplicaGroups:
                              f"resumed {now} it; resume with the setting that wrote it")
         if saved is not None:
             self._windows.anchor.copy_(saved["anchor"])
+            self._windows.chunks = None if saved.get("chunks") is None else tuple(saved["chunks"])
 
     def fault_tolerance_metrics(self) -> dict[str, float]:
         """``ft/*`` (the groups in the last quorum, commits, discarded windows) under ``fault_tolerance``."""

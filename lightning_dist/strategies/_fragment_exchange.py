@@ -86,22 +86,31 @@ class FragmentExchange:
         part_start, part_stop = self.hierarchy.own_bounds(self.numel)
         return max(0, min(part_stop, self.num_parameters) - part_start)
 
-    def mean(self, lanes: Lanes, fragment: Tensor, purpose: str) -> Tensor:
+    def mean(self, lanes: Lanes, fragment: Tensor, purpose: str, contributors: int | None = None,
+             contributes: bool = True) -> Tensor:
         """The mean over learners of their ``fragment`` (this rank's copy of the range, which it may overwrite), the
         same on every rank: the common model plus the compressed mean of the deltas with compression. The caller has
         checked that every rank's copy is finite when compressing (a non-finite delta turns a block's scale, and with
-        it the mean, non-finite)."""
+        it the mean, non-finite).
+
+        ``contributors`` (default: every learner) is how many learners the mean is of; a learner that does not
+        ``contribute`` (under ``fault_tolerance``, a replica group healed in this window: its window trained from a
+        model the others have left) takes part in the exchange with zeros, or a zero delta compressed."""
         part = self.part(fragment)
         learners = lanes.learners
         if self.compressed is not None:
             self.compressed.to(self.device)  # from state_device for the exchange, and back (no copy when they agree)
             try:
-                mean_part = self.compressed.average(learners, part, self.part_num_parameters(), purpose)
+                mean_part = self.compressed.average(learners, part, self.part_num_parameters(), purpose, contributors,
+                                                    contributes)
             finally:
                 self.compressed.to(self.state_device)
         else:  # ``fragment`` is the caller's copy: summed in place when it is in the accumulation dtype already
-            total = learners.all_reduce_sum_(part.to(accumulation_dtype(part.dtype)), purpose)
-            mean_part = total.div_(learners.world_size).to(part.dtype)
+            total = part.to(accumulation_dtype(part.dtype))
+            if not contributes:
+                total.zero_()
+            total = learners.all_reduce_sum_(total, purpose)
+            mean_part = total.div_(contributors or learners.world_size).to(part.dtype)
         return mean_part if lanes.hierarchy is None else lanes.hierarchy.whole(mean_part, fragment.numel(), purpose)
 
     def subset_mean(self, lanes: Lanes, fragment: Tensor, members: Sequence[int], purpose: str) -> Tensor | None:
@@ -128,6 +137,12 @@ class FragmentExchange:
         zero."""
         if self.compressed is not None:
             self.compressed.restart(self.part(fragment).to(self.state_device))
+
+    def recut(self) -> None:
+        """The learners changed (under ``fault_tolerance``): the compressed exchange's chunks are cut anew
+        (:meth:`CompressedAverage.recut`)."""
+        if self.compressed is not None:
+            self.compressed.recut()
 
     def state_dict(self) -> dict[str, Any] | None:
         """This rank's compressed state of the range (None without compression)."""

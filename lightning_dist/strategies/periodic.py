@@ -120,12 +120,12 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 f"compression needs client_fraction=1 (got {client_fraction}): FedAvg's rounds average a subset of "
                 "the ranks, whose models share no common model to send deltas from"
             )
-        if kwargs.get("fault_tolerance") is not None and (streams or client_fraction < 1 or kwargs.get("compression")):
+        if kwargs.get("fault_tolerance") is not None and (streams or client_fraction < 1):
             raise ValueError(
-                "fault_tolerance supports blocking, uncompressed periodic averaging and DiLoCo over every group; got "
-                f"fragments={fragments}, fragment_sync_delay={fragment_sync_delay}, fragment_update_alpha="
-                f"{fragment_update_alpha}, client_fraction={client_fraction}, compression={kwargs.get('compression')!r} "
-                "(streaming, FedAvg's subsets and compressed exchanges between replica groups are not built yet)"
+                "fault_tolerance supports blocking periodic averaging and DiLoCo over every group, compressed or not; "
+                f"got fragments={fragments}, fragment_sync_delay={fragment_sync_delay}, fragment_update_alpha="
+                f"{fragment_update_alpha}, client_fraction={client_fraction} (streaming and FedAvg's subsets between "
+                "replica groups are not built yet)"
             )
         super().__init__(seed=seed, **kwargs)
         self.period = period

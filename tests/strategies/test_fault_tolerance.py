@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from helpers.launch import load_results, run_nodes, run_replica_groups
+from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
+from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.strategies import (
     DownpourSGDStrategy,
     DynamicAveragingStrategy,
@@ -44,6 +46,13 @@ def runs(tmp_path_factory):
                                       "kill": {"group": 2, "window": 3, "all_reduce": 2}},
                                out, restart_group=2)
     results["rejoin"] = (codes, group_results(out, "rejoin", 3, 1, restarted=(2,)))
+    # Periodic averaging with int8 compression, one rank per group: group 2 dies in the first batch of transfers of
+    # the window ending at step 8 and is started again; the others hold after step 16 until it is up.
+    codes = run_replica_groups(3, 1, {"name": "compressed", "max_steps": 24, "step_sleep": 0.1, "await_restart": 16,
+                                      "start_barrier": True, "strategy": {"period": PERIOD, "compression": "int8"},
+                                      "kill": {"group": 2, "window": 3, "exchange": 1}},
+                               out / "compressed_jobs", restart_group=2)
+    results["compressed"] = (codes, group_results(out / "compressed_jobs", "compressed", 3, 1, restarted=(2,)))
     # Periodic averaging with SGD's momentum, one learner per group of 2 ranks (DDP inside): group 2 dies inside the
     # second window and is started again at once; the others hold after step 12 until it is up.
     codes = run_replica_groups(3, 2, {"name": "node_loss", "max_steps": 20, "start_barrier": True, "momentum": 0.9,
@@ -61,9 +70,10 @@ def runs(tmp_path_factory):
     results["resized"] = group_results(out / "no_failure_jobs", "resized", 2, 1)
     run_nodes(2, 2, "fault_tolerant", {**spec, "name": "plain", "plain": True, "groups": 2}, out / "plain_jobs")
     results["plain"] = group_results(out / "plain_jobs", "plain", 2, 2)
-    # DiLoCo on 2 groups of one rank for 60 steps (45 batches an epoch), a checkpoint per group at every epoch's end
-    # (step 45, inside a window); after a total loss every group resumes from its own file.
-    spec = {"max_steps": 60, "start_barrier": True, "val_batches": 2, "strategy": {"period": PERIOD, "diloco": True}}
+    # DiLoCo with int8 compression on 2 groups of one rank for 60 steps (45 batches an epoch), a checkpoint per group
+    # at every epoch's end (step 45, inside a window); after a total loss every group resumes from its own file.
+    spec = {"max_steps": 60, "start_barrier": True, "val_batches": 2,
+            "strategy": {"period": PERIOD, "diloco": True, "compression": "int8"}}
     run_replica_groups(2, 1, {**spec, "name": "straight", "checkpoint": True}, out / "resume_jobs")
     run_replica_groups(2, 1, {**spec, "name": "resumed", "resume_from": "straight"}, out / "resume_jobs")
     results["straight"] = group_results(out / "resume_jobs", "straight", 2, 1)
@@ -139,6 +149,67 @@ def test_survivors_average_their_own_work_when_a_node_dies_inside_a_window(runs)
             assert torch.equal(rank_windows[8]["after"], mean)
             assert all(w["committed"] for w in rank_windows.values())
     assert first["global_step"] == 20 and torch.equal(first["final"], second["final"])
+
+
+def compressed_window(windows, step, contributors=None, joiner=False, owners=None):
+    """A compressed window by :func:`compressed_mean`, the definition, from each group's model and residual before it
+    (a joining group's delta and residual zero) and the owners' residuals (default zero: the chunks were cut anew, the
+    quorum's groups changed): the mean, each group's residual and each owner's residual after it."""
+    common = windows[0][step]["compression_before"][0]["common"]
+    deltas = [window[step]["before"] - common for window in windows] + [torch.zeros_like(common)] * joiner
+    residuals = [window[step]["compression_before"][0]["residual"] for window in windows]
+    residuals += [torch.zeros_like(common)] * joiner
+    if owners is None:
+        bounds = chunk_bounds(common.numel(), list(range(len(deltas)))).values()
+        owners = [torch.zeros(stop - start) for start, stop in bounds]
+    applied, residuals, owners = compressed_mean(deltas, residuals, owners, "int8", contributors)
+    return common + applied, residuals, owners
+
+
+def test_a_failed_compressed_exchange_rolls_back_the_residuals_and_the_survivors_go_on(runs):
+    codes, results = runs["compressed"]
+    assert codes[0] == codes[1] == codes[3] == 0 and codes[2] != 0
+    survivors = [{window["local_steps"]: window for window in results[group][0]["windows"]} for group in (0, 1)]
+    # The window ending at step 8 lost group 2 inside its exchange: discarded, the model and the error-feedback
+    # residuals back at step 4's (each survivor had folded step 8's delta into its residual before sending it).
+    assert not survivors[0][8]["committed"] and torch.equal(survivors[0][8]["after"], survivors[0][4]["after"])
+    for windows in survivors:
+        before_8, before_12 = (windows[step]["compression_before"][0] for step in (8, 12))
+        assert before_8["residual"].abs().sum() > 0
+        assert torch.equal(before_12["residual"], before_8["residual"])
+        assert torch.equal(before_12["common"], survivors[0][4]["after"])
+    # The next window is the two survivors' compressed mean, bit for bit the definition (every window compressed
+    # but the first, which averages the groups' start models exactly).
+    assert survivors[0][12]["membership"]["groups"] == 2
+    mean, residuals, owners = compressed_window(survivors, 12)
+    assert torch.equal(survivors[0][12]["after"], mean)
+    for group, windows in enumerate(survivors):
+        assert torch.equal(windows[12]["compression_after"][0]["residual"], residuals[group])
+        assert torch.equal(windows[12]["compression_after"][0]["owner_residual"], owners[group])
+    assert torch.equal(survivors[1][12]["after"], survivors[0][12]["after"])
+
+
+def test_a_group_rejoins_a_compressed_run_with_a_zero_delta(runs):
+    _, results = runs["compressed"]
+    joined = results["2_restart"][0]
+    survivors = [{window["local_steps"]: window for window in results[group][0]["windows"]} for group in (0, 1)]
+    first = joined["windows"][0]
+    assert first["healed"] and first["committed"] and first["local_steps"] == 16
+    assert (first["membership"]["groups"], first["membership"]["contributors"], first["rank"]) == (3, 2, 2)
+    # The survivors' deltas, divided by the 2 contributors: the joiner sent zeros (its window is the others' past).
+    assert torch.equal(survivors[0][16]["after"], compressed_window(survivors, 16, contributors=2, joiner=True)[0])
+    assert all(torch.equal(window["after"], survivors[0][window["local_steps"]]["after"])
+               for window in joined["windows"])
+    assert torch.equal(joined["final"], results[0][0]["final"])
+    # Bytes, counted at the sender between groups: its int8 pieces of the two chunks it does not own, its piece of
+    # the mean to both others, once per window; and the contributor count's all-reduce (4 float64) as a ring's share.
+    owners = list(chunk_bounds(first["before"].numel(), [0, 1, 2]).values())
+    window = sum(encoded_nbytes(stop - start, "int8") for start, stop in owners[:2]) + 2 * encoded_nbytes(
+        owners[2][1] - owners[2][0], "int8")
+    count = 2 * 2 * 4 * 8 // 3
+    assert joined["comm"].bytes_by_purpose["setup"] == window
+    assert joined["comm"].bytes_by_purpose["protocol"] == 2 * window + 3 * count
+    assert joined["comm"].bytes_by_level == {"intra_node": 0, "inter_node": 3 * window + 3 * count}
 
 
 def test_a_restarted_group_of_two_ranks_rejoins_with_one_optimizer_state(runs):
@@ -226,8 +297,20 @@ def test_every_group_resumes_from_its_own_checkpoint_after_a_total_loss(runs):
         assert [window["local_steps"] for window in windows] == [0, 48, 52, 56, 60]  # the meeting, then the schedule
         assert all(window["committed"] and window["membership"]["contributors"] == 2 for window in windows)
         assert resumed[group][0]["global_step"] == 60
+        # The compressed exchanges' state as it was: the common model and both residuals.
+        saved = {window["local_steps"]: window for window in straight[group][0]["windows"]}[48]["compression_before"]
+        assert all(torch.equal(resumed_state[key], saved_state[key]) for resumed_state, saved_state in
+                   zip(windows[1]["compression_before"], saved) for key in ("common", "residual", "owner_residual"))
     for first, second in zip(resumed[0][0]["windows"][1:], resumed[1][0]["windows"][1:]):
         assert torch.equal(first["after"], second["after"])
+    # ... and the first window after the resume used the owners' residuals (the checkpoint says which quorum they
+    # were cut for; nothing cut anew), as the definition says.
+    windows = [{window["local_steps"]: window for window in resumed[group][0]["windows"]} for group in (0, 1)]
+    _, residuals, owners = compressed_window(windows, 48, owners=[windows[group][48]["compression_before"][0]
+                                                                  ["owner_residual"] for group in (0, 1)])
+    for group in (0, 1):
+        assert torch.equal(windows[group][48]["compression_after"][0]["owner_residual"], owners[group])
+        assert torch.equal(windows[group][48]["compression_after"][0]["residual"], residuals[group])
 
 
 def test_a_group_resumes_from_its_checkpoint_on_another_number_of_ranks(runs):
@@ -274,7 +357,6 @@ def test_replica_group_comes_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"compression": "int8"}, "compression='int8'"),
     ({"fragments": 2}, "fragments=2"),
     ({"client_fraction": 0.5}, "client_fraction=0.5"),
 ])

@@ -6,8 +6,10 @@ with ``"plain": true`` the same fit without the option on ``run_nodes``' nodes (
 baseline a run without failures must equal. The spec names the Lighthouse, the groups, the
 strategy's arguments, and the failure to inject into this group: ``{"kill": {"group": 2, "step": 6}}`` exits this
 job's processes right after that optimizer step (inside a window), ``{"kill": {"group": 2, "window": 2,
-"all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange). A restarted job (the
-``restart`` argument) injects nothing.
+"all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange; ``"exchange": 1``: the
+first batch of point-to-point transfers of a compressed one). A restarted job (the ``restart`` argument) injects
+nothing. Each window records the model before and after it and, under ``compression``, the compressed state of every
+bucket before and after it.
 
 ``"start_barrier"`` makes every group's job wait, once its torchft Manager heartbeats, for the others' to, so the
 first quorum has every group (a group whose Manager the Lighthouse has not heard of yet is not waited for).
@@ -73,33 +75,46 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first
     With ``first_quorum``, that file is created as this job asks for its first quorum."""
     windows: list[dict] = []
     end_window = strategy.end_window
-    all_reduce = QuorumCommunicator.all_reduce_sum_
-    calls = {"window": 0, "all_reduce": 0}
+    calls = {"window": 0, "all_reduce": 0, "exchange": 0}
 
-    def dying_all_reduce(self, tensor, purpose):
-        calls["all_reduce"] += 1
-        if kill and calls["window"] == kill.get("window") and calls["all_reduce"] == kill.get("all_reduce"):
-            os._exit(17)
-        return all_reduce(self, tensor, purpose)
+    def dying(name: str, call):
+        def counted(self, *args):
+            calls[name] += 1
+            if kill and calls["window"] == kill.get("window") and calls[name] == kill.get(name):
+                os._exit(17)
+            return call(self, *args)
+        return counted
 
     def recorded(purpose: str) -> bool:
         calls["window"] += 1
-        calls["all_reduce"] = 0
+        calls["all_reduce"] = calls["exchange"] = 0
         if first_quorum is not None and calls["window"] == 1:
             first_quorum.touch()
         before = strategy.model_vector.get().clone()
+        compression = compression_state(strategy)
         committed = end_window(purpose)
         optimizer = strategy.optimizers[0] if strategy.optimizers else None
         windows.append({"purpose": purpose, "before": before, "after": strategy.model_vector.get().clone(),
                         "committed": committed, "healed": strategy._windows.quorum.healed,
+                        "compression_before": compression, "compression_after": compression_state(strategy),
+                        "rank": strategy._windows.quorum.rank,
                         "optimizer": None if optimizer is None else optimizer_summary(optimizer),
                         "local_steps": strategy._local_steps,
                         "membership": strategy._windows.quorum.membership.__dict__})
         return committed
 
-    QuorumCommunicator.all_reduce_sum_ = dying_all_reduce
+    QuorumCommunicator.all_reduce_sum_ = dying("all_reduce", QuorumCommunicator.all_reduce_sum_)
+    QuorumCommunicator.exchange = dying("exchange", QuorumCommunicator.exchange)
     strategy.end_window = recorded
     return windows
+
+
+def compression_state(strategy: PeriodicAveragingStrategy) -> list[dict] | None:
+    """Every bucket's compressed state (common model, residuals), copied; None without compression."""
+    if not strategy.compression:
+        return None
+    return [{key: None if value is None else value.clone() for key, value in bucket.state_dict().items()}
+            for bucket in strategy._buckets]
 
 
 def optimizer_summary(optimizer: torch.optim.Optimizer) -> dict:
