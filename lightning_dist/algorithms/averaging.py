@@ -11,7 +11,7 @@ divergence threshold ``Delta``, check period ``b``, violation counter ``v``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -403,13 +403,20 @@ def balance_models(
     return new_models, new_reference, balancing_set, violation_counter
 
 
-def sample_participants(num_ranks: int, client_fraction: float, generator: torch.Generator) -> list[int]:
+def sample_participants(num_ranks: int, client_fraction: float, generator: torch.Generator,
+                        present: Collection[int] | None = None) -> list[int]:
     """FedAvg client sampling (McMahan et al. 2017): ``max(round(C * m), 1)`` ranks, uniformly.
 
     The ``max(., 1)`` is FedAvg's own definition, not a clamp of the user's value: ``C`` itself is
     validated to lie in (0, 1]. Returns sorted ranks.
+
+    ``present``: the ranks that can take part this round (default: all), as the clients FedAvg finds available: the
+    first ``count`` of them in the same uniform permutation of all ``m``, so with every rank present the same draw.
+    The generator advances the same whoever is present, so ranks that disagree on who is present (a failed round)
+    stay in step for the next one.
     """
     count = max(round(client_fraction * num_ranks), 1)
     if count >= num_ranks:
-        return list(range(num_ranks))
-    return sorted(torch.randperm(num_ranks, generator=generator)[:count].tolist())
+        return list(range(num_ranks)) if present is None else sorted(present)
+    order = torch.randperm(num_ranks, generator=generator).tolist()
+    return sorted([rank for rank in order if present is None or rank in present][:count])

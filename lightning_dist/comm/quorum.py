@@ -83,6 +83,8 @@ class QuorumCommunicator:
         self.rank = 0
         self.world_size = 1
         self.contributors = 0
+        self.contributing: dict[int, int] = {}  # group -> its rank here, for the groups that contribute
+        self.voted = False
         self.membership: Membership | None = None
         self.healed = False
         self.on_membership: Callable[[Membership | None, Membership], None] | None = None
@@ -101,9 +103,12 @@ class QuorumCommunicator:
         once it has formed (a group that is behind was healed to it)."""
         return self.manager.current_step() > 0
 
-    def count_contributors(self, contributes: bool, device: torch.device) -> int:
-        """How many groups contribute to this window; sets ``rank``, ``world_size`` and ``contributors``. One
-        all-reduce of which groups are present and whether each contributes.
+    def count_contributors(self, contributes: bool, device: torch.device, vote: bool = False) -> int:
+        """How many groups contribute to this window; sets ``rank``, ``world_size``, ``contributors``,
+        ``contributing`` and ``voted``. One all-reduce of which groups are present, for those that contribute their
+        rank here, and how many contributing groups ``vote`` (``voted``: whether any did; this group's own vote if the
+        all-reduce failed). A decision that steers the exchange is taken from ``voted``: a group that was healed in
+        this quorum cannot know which window the others are ending.
 
         A group contributes unless it was healed in this quorum. 0 when the exchange failed (nothing to average)
         or when a group is in the quorum twice: two processes run as one replica group (typically a worker left
@@ -111,21 +116,25 @@ class QuorumCommunicator:
         the agent's process group spares them), and both copies' data would weigh twice in the mean. Each copy
         then raises, naming its group; the other groups discard the window and go on without it.
         """
-        present = torch.zeros(self.groups + 1, dtype=torch.float64, device=device)
-        present[self.group] = 1.0
-        present[self.groups] = 1.0 if contributes else 0.0
-        total = self.all_reduce_sum_(present, "protocol")
+        self.rank = self.manager.participating_rank() or 0
+        self.world_size = max(self.manager.num_participants(), 1)
+        groups = self.groups
+        flags = torch.zeros(2 * groups + 1, dtype=torch.float64, device=device)
+        flags[self.group] = 1.0
+        flags[groups + self.group] = self.rank + 1.0 if contributes else 0.0
+        flags[2 * groups] = float(contributes and vote)
+        total = self.all_reduce_sum_(flags, "protocol")
         failed = self.manager.errored() is not None
-        twice = [] if failed else [group for group in range(self.groups) if float(total[group]) > 1.5]
+        self.voted = vote if failed else float(total[2 * groups]) > 0.5
+        twice = [] if failed else [group for group in range(groups) if float(total[group]) > 1.5]
         if self.group in twice:
             raise RuntimeError(
                 f"replica group {self.group} joined this quorum {int(round(float(total[self.group])))} times: two "
                 f"processes run as replica group {self.group} (a worker whose torchrun agent was killed may still be "
                 f"training). Stop every copy of group {self.group} and start it once.")
-        contributors = 0 if failed or twice else int(round(float(total[self.groups])))
-        self.rank = self.manager.participating_rank() or 0
-        self.world_size = max(self.manager.num_participants(), 1)
-        self.contributors = contributors
+        ranks = {group: int(round(float(total[groups + group]))) - 1 for group in range(groups)}
+        self.contributing = {} if failed or twice else {group: rank for group, rank in ranks.items() if rank >= 0}
+        contributors = self.contributors = len(self.contributing)
         membership = Membership(self.manager._quorum_id, self.manager.num_participants(), contributors)
         if self.on_membership is not None and membership != self.membership:
             self.on_membership(self.membership, membership)

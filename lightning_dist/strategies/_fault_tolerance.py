@@ -19,13 +19,19 @@ window ends as torchft's DiLoCo ends one (``torchft/local_sgd.py``), in this pac
    the anchor and the window is discarded, said in the log. A group whose commit failed while others committed
    is behind, and is healed at the next quorum.
 
+FedAvg (``client_fraction < 1``) draws each window's groups among those that contribute
+(:meth:`FaultTolerantWindows.window`'s ``select``); the drawn ones average, the others keep their replicas, and each
+group's committed model is its own. With ``compression`` every window but the run's first sends compressed deltas
+from the committed model (:meth:`FaultTolerantWindows._prepare_compressed`: residuals restored when a window is
+discarded, chunks cut anew when the groups change).
+
 A group that dies inside a window is simply absent from the next quorum (its heartbeat stops), and the others
 average without it: its window is the only work lost. A group that dies inside the exchange makes the exchange
 fail for the others, which roll back that one window.
 
 Validation and checkpoints between windows see the anchor, the last model every group agreed on (a consensus
 over groups outside a window would be a collective the groups do not meet for); at a window's end that is the
-average, as without the option.
+average, as without the option (under FedAvg, the group's own committed model).
 """
 
 from __future__ import annotations
@@ -52,12 +58,15 @@ from lightning_dist.comm.communicator import HOST
 from lightning_dist.comm.nodes import NodeLayout
 from lightning_dist.comm.quorum import Membership, QuorumCommunicator, torchft_manager
 from lightning_dist.model_vector import ModelVector
-from lightning_dist.strategies._bucketed_average import bucket_bounds
+from lightning_dist.strategies._bucketed_average import average_subset_in_place, bucket_bounds
 from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
 from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes, exchanges
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 
 log = logging.getLogger(__name__)
+
+Select = Callable[[list[int]], list[int]]
+"""FedAvg's draw for a window: the contributing replica groups -> those that average (sorted)."""
 
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 """The environment variable that names a job's replica group when ``TorchFT(replica_group=None)`` (torchft's)."""
@@ -156,26 +165,41 @@ class FaultTolerantWindows:
             [(bucket.start, bucket.stop) for bucket in buckets], vector.num_parameters, lanes.hierarchy, None,
             vector.parameters[0].device, None)
         self.chunks: tuple[int, int] | None = None  # (rank, groups) the compressed exchanges' chunks are cut for
+        self.all_averaged = True  # whether the last window averaged every contributing group (not a FedAvg round)
+        self.averaged: list[int] | None = None  # the groups FedAvg's round averaged in the last window
         self.anchor = vector.get().to(anchor_device, copy=True)
         self.commits = 0
         self.discarded = 0
         self.unshown = False
         self.quorum.on_membership = self._log_membership
 
-    def window(self, purpose: str, outer: OuterStep | None) -> bool:
-        """End a window: quorum, exchange, commit (True) or roll back to the anchor (False)."""
+    def window(self, purpose: str, outer: OuterStep | None, select: Select | None = None) -> bool:
+        """End a window: quorum, exchange, commit (True) or roll back to the anchor (False). ``select``: FedAvg's
+        draw of the groups that average a window among those that contribute (None: all of them), used when a
+        contributing group ends a ``"protocol"`` window (a group healed here may be ending its ``"setup"``, and a
+        group its ``"final"``, while the others end a protocol window: they all follow the same vote)."""
         self.quorum.begin_window()
         self.quorum.healed = self.group_any(self.quorum.healed)
         contributes = not self.quorum.healed
         if contributes:
             self.check_finite()
-        contributors = self.quorum.count_contributors(contributes, self.anchor.device)
+        else:  # its replica is the committed model it received (a FedAvg round may leave it out)
+            self.vector.set(self.anchor)
+        contributors = self.quorum.count_contributors(contributes, self.anchor.device,
+                                                      vote=select is not None and purpose == "protocol")
+        self.averaged = None
+        members = self._members(select) if select is not None and self.quorum.voted else None
+        self.all_averaged = members is None
         # torchft's step, the same on every group in the quorum: all compress, or none.
         compressed = self.compresses and self.quorum.committed_before()
         rollback = self._prepare_compressed(contributes) if compressed else None
-        for bucket in self.buckets if compressed else self.exact:
-            fragment = self.vector.get_range(bucket.start, bucket.stop)
-            self.vector.set_range(bucket.start, bucket.mean(self.lanes, fragment, purpose, contributors, contributes))
+        if members is not None:  # FedAvg's round: the members' mean on the members, the others keep their replicas
+            average_subset_in_place(self.vector, self.exact, self.lanes, members, purpose)
+        else:
+            for bucket in self.buckets if compressed else self.exact:
+                fragment = self.vector.get_range(bucket.start, bucket.stop)
+                mean = bucket.mean(self.lanes, fragment, purpose, contributors, contributes)
+                self.vector.set_range(bucket.start, mean)
         committed = self.quorum.commit() and contributors > 0
         for start, stop in bucket_bounds(self.vector.numel, None if outer is None else outer.bucket):
             if committed:
@@ -202,6 +226,16 @@ class FaultTolerantWindows:
                         "committed model", "the exchange failed" if self.quorum.failed() else
                         "fewer than min_replicas groups, or another rank of this group failed")
         return committed
+
+    def _members(self, select: Select) -> list[int] | None:
+        """FedAvg's participants in this window as ranks of the quorum, None when every contributing group is one.
+        ``select`` runs in every group, also where the window has failed: each draw advances the groups' shared
+        generator the same, so they agree on the next one."""
+        groups = select(sorted(self.quorum.contributing))
+        if self.quorum.contributors == 0 or len(groups) == self.quorum.contributors:
+            return None
+        self.averaged = groups
+        return sorted(self.quorum.contributing[group] for group in groups)
 
     def _prepare_compressed(self, contributes: bool) -> list[dict[str, Any]]:
         """Before a compressed exchange: its state to restore if the window is discarded (references: the exchange
@@ -349,11 +383,20 @@ class ReplicaGroups:
         source per local rank); DDP keeps a group's ranks in step only from one state, so local rank 0's is
         shared with the others."""
         assert self._windows is not None
-        committed = self._windows.window(purpose, self.fault_tolerant_outer_step())
-        self._replicas_in_sync = True
+        committed = self._windows.window(purpose, self.fault_tolerant_outer_step(), self.fault_tolerant_selection())
+        self._replicas_in_sync = True  # every replica holds its group's committed model
         if self._windows.quorum.healed and self.comm.world_size > 1:
+            self.share_committed_model()
             self.share_optimizer_states()
         return committed
+
+    def share_committed_model(self) -> None:
+        """Local rank 0's committed model on every rank of a healed job: torchft heals each local rank from a group
+        it picks for that rank, and under FedAvg the groups' committed models differ."""
+        assert self._windows is not None
+        committed = self.comm.broadcast_(self._windows.anchor.to(self.root_device), src=0, purpose="checkpoint")
+        self._windows.anchor.copy_(committed)
+        self.model_vector.set(committed)
 
     def group_any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank of this job (an all-reduce of one integer inside it)."""
@@ -379,6 +422,10 @@ class ReplicaGroups:
             optimizer.load_state_dict(saved)
             _optimizer_to_device(optimizer, self.root_device)
 
+    def fault_tolerant_selection(self) -> Select | None:
+        """FedAvg's draw of the groups that average a window (None: every contributing group)."""
+        return None
+
     def fault_tolerant_outer_step(self) -> OuterStep | None:
         """DiLoCo's outer step a committed window takes from the mean (None: the mean itself)."""
         return None
@@ -389,7 +436,7 @@ class ReplicaGroups:
         state and Lightning's training state; copies on the host, counted under ``checkpoint``."""
         assert self._windows is not None
         trainer = self.lightning_module.trainer
-        state = on_host({"protocol": self.protocol_state_dict(),
+        state = on_host({"protocol": self.protocol_state_dict(), "generator": self._generator.get_state(),
                          "local_steps": self._local_steps, "syncs": self._syncs,
                          "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
                          "training": lightning_training_state(trainer) if self.optimizers else None})
@@ -403,6 +450,7 @@ class ReplicaGroups:
         assert self._windows is not None
         self.load_protocol_state_dict(state["protocol"])  # the committed model with it (fault_tolerance_state)
         self._local_steps, self._syncs = state["local_steps"], state["syncs"]
+        self._generator.set_state(state["generator"])  # FedAvg's draws, the same in every group
         if self.optimizers:
             for optimizer, saved in zip(self.optimizers, state["optimizers"]):
                 optimizer.load_state_dict(saved)

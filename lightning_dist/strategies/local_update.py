@@ -418,8 +418,8 @@ class LocalUpdateStrategy(ReplicaGroups, ReplicaAveraging, ReplicaCheckpoints, D
     def on_train_end(self) -> None:
         super().on_train_end()
         self.end_due_window()
-        if self._windows is not None and not self._replicas_in_sync:  # every group ends fit with a window
-            self.end_window("final")
+        if self._windows is not None and not (self._replicas_in_sync and self._windows.all_averaged):
+            self.end_window("final")  # every group ends fit with a window of all (after FedAvg's round too)
         if not self._replicas_in_sync:
             consensus = self.consensus("final")
             self.set_common_model(consensus)

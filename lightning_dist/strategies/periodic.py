@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from torch import Tensor
@@ -120,12 +120,11 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 f"compression needs client_fraction=1 (got {client_fraction}): FedAvg's rounds average a subset of "
                 "the ranks, whose models share no common model to send deltas from"
             )
-        if kwargs.get("fault_tolerance") is not None and (streams or client_fraction < 1):
+        if kwargs.get("fault_tolerance") is not None and streams:
             raise ValueError(
-                "fault_tolerance supports blocking periodic averaging and DiLoCo over every group, compressed or not; "
-                f"got fragments={fragments}, fragment_sync_delay={fragment_sync_delay}, fragment_update_alpha="
-                f"{fragment_update_alpha}, client_fraction={client_fraction} (streaming and FedAvg's subsets between "
-                "replica groups are not built yet)"
+                "fault_tolerance supports blocking synchronizations (periodic averaging, FedAvg and DiLoCo, compressed "
+                f"or not); got fragments={fragments}, fragment_sync_delay={fragment_sync_delay}, "
+                f"fragment_update_alpha={fragment_update_alpha} (streaming between replica groups is not built yet)"
             )
         super().__init__(seed=seed, **kwargs)
         self.period = period
@@ -245,6 +244,14 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
 
     def fault_tolerant_outer_step(self) -> OuterStep | None:
         return self._outer
+
+    def fault_tolerant_selection(self) -> Callable[[list[int]], list[int]] | None:
+        """FedAvg's draw among the replica groups that contribute to a window (:func:`sample_participants` of
+        ``num_replica_groups`` with the groups present: with every group present, the draw without the option)."""
+        if self.client_fraction == 1:
+            return None
+        groups = self.num_learners  # num_replica_groups
+        return lambda present: sample_participants(groups, self.client_fraction, self._generator, present)
 
     def protocol_metrics(self) -> dict[str, float]:
         if self._streaming is not None:

@@ -248,3 +248,19 @@ def test_fedavg_participants():
     assert len(chosen) == 3 and chosen == sorted(set(chosen))
     assert sample_participants(10, 0.01, generator) != []  # max(C*m, 1)
     assert sample_participants(4, 1.0, generator) == [0, 1, 2, 3]
+
+
+def test_fedavg_participants_among_the_present_follow_one_permutation():
+    draws = {name: torch.Generator().manual_seed(3) for name in ("all", "every_one_present", "some_present")}
+    for _ in range(20):
+        everyone = sample_participants(6, 0.5, draws["all"])
+        assert sample_participants(6, 0.5, draws["every_one_present"], range(6)) == everyone
+        generator = draws["some_present"]
+        order = torch.randperm(6, generator=torch.Generator().manual_seed(0).set_state(generator.get_state())).tolist()
+        chosen = sample_participants(6, 0.5, generator, [0, 2, 3, 5])
+        # The first 3 present ranks of the same permutation, and the generator where the others' is: the draws of
+        # groups that disagree on who is present stay in step.
+        assert chosen == sorted([rank for rank in order if rank in (0, 2, 3, 5)][:3])
+        assert torch.equal(generator.get_state(), draws["all"].get_state())
+    assert sample_participants(4, 1.0, torch.Generator(), [1, 3]) == [1, 3]
+    assert sample_participants(4, 0.5, torch.Generator(), [2]) == [2]  # fewer present than the round's count

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers.launch import load_results, run_nodes, run_replica_groups
+from lightning_dist.algorithms.averaging import sample_participants
 from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.strategies import (
@@ -53,6 +54,12 @@ def runs(tmp_path_factory):
                                       "kill": {"group": 2, "window": 3, "exchange": 1}},
                                out / "compressed_jobs", restart_group=2)
     results["compressed"] = (codes, group_results(out / "compressed_jobs", "compressed", 3, 1, restarted=(2,)))
+    # FedAvg (half of 4 groups a round), one rank per group: group 3 dies inside the second window and is started
+    # again; the others hold after step 12 until it is up.
+    codes = run_replica_groups(4, 1, {"name": "fedavg", "max_steps": 20, "step_sleep": 0.1, "await_restart": 12,
+                                      "start_barrier": True, "strategy": {"period": PERIOD, "client_fraction": 0.5},
+                                      "kill": {"group": 3, "step": 6}}, out / "fedavg_jobs", restart_group=3)
+    results["fedavg"] = (codes, group_results(out / "fedavg_jobs", "fedavg", 4, 1, restarted=(3,)))
     # Periodic averaging with SGD's momentum, one learner per group of 2 ranks (DDP inside): group 2 dies inside the
     # second window and is started again at once; the others hold after step 12 until it is up.
     codes = run_replica_groups(3, 2, {"name": "node_loss", "max_steps": 20, "start_barrier": True, "momentum": 0.9,
@@ -202,14 +209,46 @@ def test_a_group_rejoins_a_compressed_run_with_a_zero_delta(runs):
                for window in joined["windows"])
     assert torch.equal(joined["final"], results[0][0]["final"])
     # Bytes, counted at the sender between groups: its int8 pieces of the two chunks it does not own, its piece of
-    # the mean to both others, once per window; and the contributor count's all-reduce (4 float64) as a ring's share.
+    # the mean to both others, once per window; and the contributor count's all-reduce (7 float64) as a ring's share.
     owners = list(chunk_bounds(first["before"].numel(), [0, 1, 2]).values())
     window = sum(encoded_nbytes(stop - start, "int8") for start, stop in owners[:2]) + 2 * encoded_nbytes(
         owners[2][1] - owners[2][0], "int8")
-    count = 2 * 2 * 4 * 8 // 3
+    count = 2 * 2 * 7 * 8 // 3
     assert joined["comm"].bytes_by_purpose["setup"] == window
     assert joined["comm"].bytes_by_purpose["protocol"] == 2 * window + 3 * count
     assert joined["comm"].bytes_by_level == {"intra_node": 0, "inter_node": 3 * window + 3 * count}
+
+
+def test_fedavg_draws_among_the_groups_present_and_a_restarted_group_rejoins(runs):
+    codes, results = runs["fedavg"]
+    assert codes[0] == codes[1] == codes[2] == codes[4] == 0 and codes[3] != 0
+    jobs = [results[group][0] for group in range(3)] + [results["3_restart"][0]]
+    windows = [{window["local_steps"]: window for window in job["windows"] if window["purpose"] != "final"}
+               for job in jobs]
+    rejoin = min(windows[3])  # the restarted group's first window, where it is healed
+    assert windows[3][rejoin]["healed"] and windows[3][rejoin]["membership"]["contributors"] == 3 and rejoin > 8
+    generator = torch.Generator().manual_seed(0)  # the strategy's seed: the draws of FedAvg without the option
+    for step in range(PERIOD, 20 + 1, PERIOD):
+        # Group 3 contributes at step 4, is dead at step 8 (killed at step 6), healed (no contribution) at its rejoin.
+        present = [0, 1, 2] + [3] * (step == PERIOD or step > rejoin)
+        averaged = sample_participants(4, 0.5, generator, present)
+        recorded = [group for group in present if step in windows[group]]  # group 3's first job wrote nothing
+        mean = None
+        if all(group in recorded for group in averaged):
+            mean = (windows[averaged[0]][step]["before"] + windows[averaged[1]][step]["before"]) / 2
+        for group in recorded:
+            window = windows[group][step]
+            assert window["committed"] and window["averaged"] == averaged, (step, group)
+            # The members hold their mean; the others keep their own replicas (FedAvg's non-participants).
+            if group not in averaged:
+                assert torch.equal(window["after"], window["before"]), (step, group)
+            elif mean is not None:
+                assert torch.equal(window["after"], mean), (step, group)
+    # The restarted group joins with a survivor's committed model (FedAvg's groups hold different ones) and the draws'
+    # generator (the draws above agree in every group after it).
+    assert any(torch.equal(windows[3][rejoin]["after"], windows[group][rejoin - PERIOD]["after"]) for group in range(3))
+    # fit ends with a window of all four (after FedAvg's last round, as the consensus without the option).
+    assert all(job["windows"][-1]["purpose"] == "final" and torch.equal(job["final"], jobs[0]["final"]) for job in jobs)
 
 
 def test_a_restarted_group_of_two_ranks_rejoins_with_one_optimizer_state(runs):
@@ -358,7 +397,6 @@ def test_replica_group_comes_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"fragments": 2}, "fragments=2"),
-    ({"client_fraction": 0.5}, "client_fraction=0.5"),
 ])
 def test_periodic_refuses_what_is_not_built_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -97,7 +97,7 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first
         windows.append({"purpose": purpose, "before": before, "after": strategy.model_vector.get().clone(),
                         "committed": committed, "healed": strategy._windows.quorum.healed,
                         "compression_before": compression, "compression_after": compression_state(strategy),
-                        "rank": strategy._windows.quorum.rank,
+                        "rank": strategy._windows.quorum.rank, "averaged": strategy._windows.averaged,
                         "optimizer": None if optimizer is None else optimizer_summary(optimizer),
                         "local_steps": strategy._local_steps,
                         "membership": strategy._windows.quorum.membership.__dict__})
