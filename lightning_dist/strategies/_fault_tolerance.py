@@ -6,7 +6,7 @@ Lighthouse, started once, forms a quorum of the healthy groups at the end of eve
 window ends as torchft's DiLoCo ends one (``torchft/local_sgd.py``), in this package's buckets:
 
 1. **Quorum.** The healthy groups meet; a group that is behind (new, restarted, or whose last commit failed)
-   receives the live state from an up-to-date peer right there (:meth:`FaultTolerantWindows.recovery_state`):
+   receives the live state from an up-to-date peer right there (:meth:`ReplicaGroups.recovery_state`):
    the last committed model, the protocol's state (DiLoCo's reference and outer momentum), the counters, this
    local rank's optimizer state and, for a group joining at the start of its ``fit``, Lightning's loops and
    schedulers. Nothing is read from disk.
@@ -19,11 +19,11 @@ window ends as torchft's DiLoCo ends one (``torchft/local_sgd.py``), in this pac
    the anchor and the window is discarded, said in the log. A group whose commit failed while others committed
    is behind, and is healed at the next quorum.
 
-FedAvg (``client_fraction < 1``) draws each window's groups among those that contribute
-(:meth:`FaultTolerantWindows.window`'s ``select``); the drawn ones average, the others keep their replicas, and each
-group's committed model is its own. With ``compression`` every window but the run's first sends compressed deltas
-from the committed model (:meth:`FaultTolerantWindows._prepare_compressed`: residuals restored when a window is
-discarded, chunks cut anew when the groups change).
+The window itself is :class:`~lightning_dist.strategies._replica_windows.FaultTolerantWindows`. FedAvg
+(``client_fraction < 1``) draws each window's groups among those that contribute; the drawn ones average, the
+others keep their replicas, and each group's committed model is its own. With ``compression`` every window but the
+run's first sends compressed deltas from the committed model (residuals restored when a window is discarded,
+chunks cut anew when the groups change).
 
 A group that dies inside a window is simply absent from the next quorum (its heartbeat stops), and the others
 average without it: its window is the only work lost. A group that dies inside the exchange makes the exchange
@@ -37,9 +37,8 @@ average, as without the option (under FedAvg, the group's own committed model).
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -56,17 +55,12 @@ from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.comm import Communicator, new_group
 from lightning_dist.comm.communicator import HOST
 from lightning_dist.comm.nodes import NodeLayout
-from lightning_dist.comm.quorum import Membership, QuorumCommunicator, torchft_manager
-from lightning_dist.model_vector import ModelVector
-from lightning_dist.strategies._bucketed_average import average_subset_in_place, bucket_bounds
+from lightning_dist.comm.quorum import QuorumCommunicator, torchft_manager
 from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
-from lightning_dist.strategies._fragment_exchange import FragmentExchange, Lanes, exchanges
+from lightning_dist.strategies._fragment_exchange import Lanes
 from lightning_dist.strategies._hierarchy import NodeHierarchy
+from lightning_dist.strategies._replica_windows import FaultTolerantWindows, Select
 
-log = logging.getLogger(__name__)
-
-Select = Callable[[list[int]], list[int]]
-"""FedAvg's draw for a window: the contributing replica groups -> those that average (sorted)."""
 
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 """The environment variable that names a job's replica group when ``TorchFT(replica_group=None)`` (torchft's)."""
@@ -132,134 +126,6 @@ class TorchFT:
             raise ValueError(f"fault_tolerance needs the Lighthouse's address: pass TorchFT(lighthouse=...) or set "
                              f"{LIGHTHOUSE_ENV} (http://host:port)")
         return address
-
-
-class FaultTolerantWindows:
-    """One rank's end of a window between replica groups: quorum, exchange, commit or roll back (module docstring).
-
-    Args:
-        vector: the model as one vector.
-        lanes: the job's communicator and the hierarchy whose ``inter_node`` is the :class:`QuorumCommunicator`.
-        buckets: the strategy's buckets of a full synchronization, with their compressed state under
-            ``compression`` (the state its checkpoints keep).
-        anchor_device: where the committed model lives between windows (the host by default).
-        check_finite: a collective inside the group that raises, naming the ranks, if this rank's model is not
-            finite (a group never sends a non-finite model; the error stops it, and the others go on without it).
-        group_any: a collective inside the group: whether any of its ranks' flags is true. torchft heals each
-            local rank on its own (from the group its local rank maps to); the group contributes only if none was.
-    """
-
-    def __init__(self, vector: ModelVector, lanes: Lanes, buckets: list[FragmentExchange], anchor_device: torch.device,
-                 check_finite: Callable[[], None], group_any: Callable[[bool], bool]) -> None:
-        assert lanes.hierarchy is not None and isinstance(lanes.hierarchy.inter_node, QuorumCommunicator)
-        self.vector = vector
-        self.lanes = lanes
-        self.quorum: QuorumCommunicator = lanes.hierarchy.inter_node
-        self.check_finite = check_finite
-        self.group_any = group_any
-        self.buckets = buckets
-        self.compresses = any(bucket.compressed is not None for bucket in buckets)
-        # A run's first window averages exactly: the groups' start models (equal only when seeded alike) have no
-        # common model yet to send deltas from.
-        self.exact = buckets if not self.compresses else exchanges(
-            [(bucket.start, bucket.stop) for bucket in buckets], vector.num_parameters, lanes.hierarchy, None,
-            vector.parameters[0].device, None)
-        self.chunks: tuple[int, int] | None = None  # (rank, groups) the compressed exchanges' chunks are cut for
-        self.all_averaged = True  # whether the last window averaged every contributing group (not a FedAvg round)
-        self.averaged: list[int] | None = None  # the groups FedAvg's round averaged in the last window
-        self.anchor = vector.get().to(anchor_device, copy=True)
-        self.commits = 0
-        self.discarded = 0
-        self.unshown = False
-        self.quorum.on_membership = self._log_membership
-
-    def window(self, purpose: str, outer: OuterStep | None, select: Select | None = None) -> bool:
-        """End a window: quorum, exchange, commit (True) or roll back to the anchor (False). ``select``: FedAvg's
-        draw of the groups that average a window among those that contribute (None: all of them), used when a
-        contributing group ends a ``"protocol"`` window (a group healed here may be ending its ``"setup"``, and a
-        group its ``"final"``, while the others end a protocol window: they all follow the same vote)."""
-        self.quorum.begin_window()
-        self.quorum.healed = self.group_any(self.quorum.healed)
-        contributes = not self.quorum.healed
-        if contributes:
-            self.check_finite()
-        else:  # its replica is the committed model it received (a FedAvg round may leave it out)
-            self.vector.set(self.anchor)
-        contributors = self.quorum.count_contributors(contributes, self.anchor.device,
-                                                      vote=select is not None and purpose == "protocol")
-        self.averaged = None
-        members = self._members(select) if select is not None and self.quorum.voted else None
-        self.all_averaged = members is None
-        # torchft's step, the same on every group in the quorum: all compress, or none.
-        compressed = self.compresses and self.quorum.committed_before()
-        rollback = self._prepare_compressed(contributes) if compressed else None
-        if members is not None:  # FedAvg's round: the members' mean on the members, the others keep their replicas
-            average_subset_in_place(self.vector, self.exact, self.lanes, members, purpose)
-        else:
-            for bucket in self.buckets if compressed else self.exact:
-                fragment = self.vector.get_range(bucket.start, bucket.stop)
-                mean = bucket.mean(self.lanes, fragment, purpose, contributors, contributes)
-                self.vector.set_range(bucket.start, mean)
-        committed = self.quorum.commit() and contributors > 0
-        for start, stop in bucket_bounds(self.vector.numel, None if outer is None else outer.bucket):
-            if committed:
-                if outer is not None:
-                    mean = self.vector.get_range(start, stop, dtype=outer.reference.dtype).to(outer.reference.device)
-                    self.vector.set_range(start, outer.step_range(start, mean))
-                self.anchor[start:stop].copy_(self.vector.get_range(start, stop))
-            else:
-                self.vector.set_range(start, self.anchor[start:stop])
-        if committed and self.compresses:  # the next deltas are taken from the committed model
-            for bucket in self.buckets:
-                bucket.hold(self.anchor[bucket.start:bucket.stop], copy=True)
-            if compressed:
-                self.chunks = (self.quorum.rank, self.quorum.world_size)
-        elif rollback is not None:  # the residuals as they were: the discarded window's deltas were never applied
-            for bucket, state in zip(self.buckets, rollback):
-                bucket.load_state_dict(state)
-        self.unshown = True
-        if committed:
-            self.commits += 1
-        else:
-            self.discarded += 1
-            log.warning("lightning_dist: replica group window discarded (%s): every replica is back at the last "
-                        "committed model", "the exchange failed" if self.quorum.failed() else
-                        "fewer than min_replicas groups, or another rank of this group failed")
-        return committed
-
-    def _members(self, select: Select) -> list[int] | None:
-        """FedAvg's participants in this window as ranks of the quorum, None when every contributing group is one.
-        ``select`` runs in every group, also where the window has failed: each draw advances the groups' shared
-        generator the same, so they agree on the next one."""
-        groups = select(sorted(self.quorum.contributing))
-        if self.quorum.contributors == 0 or len(groups) == self.quorum.contributors:
-            return None
-        self.averaged = groups
-        return sorted(self.quorum.contributing[group] for group in groups)
-
-    def _prepare_compressed(self, contributes: bool) -> list[dict[str, Any]]:
-        """Before a compressed exchange: its state to restore if the window is discarded (references: the exchange
-        replaces the residuals, it does not change them in place); a healed group's deltas from the committed model
-        it received, its residuals (a window the others discarded) at zero; the chunks cut anew if the quorum's
-        groups changed since the last committed compressed window."""
-        rollback = [bucket.state_dict() for bucket in self.buckets]
-        recut = self.chunks != (self.quorum.rank, self.quorum.world_size)
-        for bucket in self.buckets:
-            if not contributes:
-                bucket.restart(self.anchor[bucket.start:bucket.stop])
-            elif recut:
-                bucket.recut()
-        return rollback
-
-    def _log_membership(self, before: Membership | None, now: Membership) -> None:
-        log.warning("lightning_dist: quorum %s: %d replica group(s), %d contributing (was %s)", now.quorum_id,
-                    now.groups, now.contributors, "none" if before is None else f"{before.groups}")
-
-    def metrics(self) -> dict[str, float]:
-        """``ft/*`` counters for the loggers and the progress bar: the groups now, commits, discarded windows."""
-        membership = self.quorum.membership
-        return {"ft/groups": float(0 if membership is None else membership.groups),
-                "ft/commits": float(self.commits), "ft/discarded": float(self.discarded)}
 
 
 def lightning_training_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -377,7 +243,7 @@ class ReplicaGroups:
             self._syncs += 1
 
     def end_window(self, purpose: str) -> bool:
-        """End this window between the groups (:meth:`FaultTolerantWindows.window`); True if it was committed.
+        """End this window between the groups (:meth:`~lightning_dist.strategies._replica_windows.FaultTolerantWindows.window`); True if it was committed.
 
         A healed group's ranks may have received their optimizer states from different peers (torchft picks the
         source per local rank); DDP keeps a group's ranks in step only from one state, so local rank 0's is
