@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 READY := $(VENV)/.ready
 
-.PHONY: demo test bench docs docs-serve slurm-demo clean
+.PHONY: demo test bench docs docs-serve slurm-demo slurm-ft-demo clean
 
 $(READY): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ docs-serve: $(READY)
 # sbatch example on a local 2-node SLURM cluster, preempts and requeues it, then stops the cluster.
 slurm-demo: $(READY)
 	examples/slurm/demo.sh
+
+# Not part of `make test`: fault-tolerant DiLoCo (examples/fault_tolerant/diloco.sbatch) on a local 3-node SLURM
+# cluster, one node's job step killed and started again by the sbatch.
+slurm-ft-demo: $(READY)
+	examples/fault_tolerant/slurm_demo.sh
 
 clean:
 	rm -rf $(VENV) site
