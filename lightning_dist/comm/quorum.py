@@ -98,6 +98,12 @@ class QuorumCommunicator:
         self.healed = False
         self.manager.start_quorum()
 
+    def fall_behind(self) -> None:
+        """Have the next quorum heal this group again (torchft heals a group whose step is below the quorum's): a
+        join whose window was discarded left this group at the others' step, but its received state is a window
+        old by then."""
+        self.manager.load_state_dict({"step": 0, "batches_committed": self.manager.batches_committed()})
+
     def committed_before(self) -> bool:
         """Whether a window of this run has been committed: torchft's step, the same on every group of the quorum
         once it has formed (a group that is behind was healed to it)."""

@@ -37,6 +37,7 @@ average, as without the option (under FedAvg, the group's own committed model).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
 from lightning_dist.strategies._fragment_exchange import Lanes
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 from lightning_dist.strategies._replica_windows import FaultTolerantWindows, Select
+
+log = logging.getLogger(__name__)
 
 
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
@@ -211,18 +214,27 @@ class ReplicaGroups:
                                                              option.num_replica_groups))
 
     def join_replica_groups(self) -> None:
-        """The first window, at set-up: every group meets the others (a fresh run: the first group's start model
-        for all, torchft's ``init_sync``; a restarted group: the live state of a peer once the others end their
-        window). A group joining a run in progress has Lightning restore the peer's loops, schedulers and optimizer
-        state after set-up, as from a checkpoint (not read from disk)."""
+        """The first window, at set-up: every group meets the others (a fresh run: the mean of the groups' start
+        models; a restarted group: the live state of a peer once the others end their window). A group joining a run
+        in progress has Lightning restore the peer's loops, schedulers and optimizer state after set-up, as from a
+        checkpoint (not read from disk).
+
+        A join whose window is discarded (another group lost inside it) is tried again at the others' next window
+        before training starts: only at set-up can Lightning take a peer's loops, and a group that trained on from
+        its own would count its steps from zero, ending its ``fit`` after the others."""
         assert self._hierarchy is not None
         assert self._buckets is not None  # made at set-up: the job always has a hierarchy
         self._windows = FaultTolerantWindows(self.model_vector, Lanes(self.comm, self._hierarchy), self._buckets, HOST,
                                              lambda: self.raise_unless_finite(self.model_vector.all_finite()),
                                              self.group_any)
         committed = self.end_window("setup")
+        # Committed and healed are the same on every rank of the job (should_commit; healed is any rank's).
+        while not committed and self._windows.quorum.healed:
+            log.warning("lightning_dist: replica group %d: its join was discarded; joining at the next window",
+                        self._windows.quorum.group)
+            self._windows.quorum.fall_behind()
+            committed = self.end_window("setup")
         joined, self._joined = self._joined, None
-        # Committed and healed are the same on every rank of the job; a failed join is retried at the next window.
         if committed and joined is not None and joined["training"] is not None and joined["training"]["global_step"] > 0:
             trainer = self.lightning_module.trainer
             trainer._checkpoint_connector._loaded_checkpoint = joined_checkpoint(

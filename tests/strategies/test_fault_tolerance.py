@@ -23,10 +23,11 @@ from lightning_dist.strategies import (
 PERIOD = 4
 
 
-def group_results(out, name, groups, ranks, restarted=()):
-    """``{group: [rank 0's result, ...]}`` (a restarted group's second job under ``"<group>_restart"``)."""
+def group_results(out, name, groups, ranks, restarted=(), lost=()):
+    """``{group: [rank 0's result, ...]}`` (a restarted group's second job under ``"<group>_restart"``; a ``lost``
+    group wrote nothing)."""
     results = {group: [torch.load(out / name / f"group{group}_rank{rank}.pt", weights_only=False) for rank in range(ranks)]
-               for group in range(groups) if group not in restarted}
+               for group in range(groups) if group not in restarted and group not in lost}
     for group in restarted:
         results[f"{group}_restart"] = [torch.load(out / name / f"group{group}_rank{rank}_restart.pt", weights_only=False)
                                        for rank in range(ranks)]
@@ -54,6 +55,13 @@ def runs(tmp_path_factory):
                                       "kill": {"group": 2, "window": 3, "exchange": 1}},
                                out / "compressed_jobs", restart_group=2)
     results["compressed"] = (codes, group_results(out / "compressed_jobs", "compressed", 3, 1, restarted=(2,)))
+    # Periodic averaging, one rank per group: group 2 dies at step 6 and is started again; group 1 dies inside the
+    # exchange of the window group 2 joins in (the first with 3 groups after one with 2).
+    codes = run_replica_groups(3, 1, {"name": "join_lost", "max_steps": 28, "step_sleep": 0.1, "await_restart": 12,
+                                      "start_barrier": True, "strategy": {"period": PERIOD},
+                                      "kill": [{"group": 2, "step": 6}, {"group": 1, "rejoined": True, "all_reduce": 2}]},
+                               out / "join_lost_jobs", restart_group=2)
+    results["join_lost"] = (codes, group_results(out / "join_lost_jobs", "join_lost", 3, 1, restarted=(2,), lost=(1,)))
     # FedAvg (half of 4 groups a round), one rank per group: group 3 dies inside the second window and is started
     # again; the others hold after step 12 until it is up.
     codes = run_replica_groups(4, 1, {"name": "fedavg", "max_steps": 20, "step_sleep": 0.1, "await_restart": 12,
@@ -217,6 +225,22 @@ def test_a_group_rejoins_a_compressed_run_with_a_zero_delta(runs):
     assert joined["comm"].bytes_by_purpose["setup"] == window
     assert joined["comm"].bytes_by_purpose["protocol"] == 2 * window + 3 * count
     assert joined["comm"].bytes_by_level == {"intra_node": 0, "inter_node": 3 * window + 3 * count}
+
+
+def test_a_join_whose_window_is_discarded_joins_at_the_next_one(runs):
+    codes, results = runs["join_lost"]
+    assert codes[0] == codes[3] == 0 and codes[1] != 0 and codes[2] != 0
+    survivor, joined = results[0][0], results["2_restart"][0]
+    # Its first window lost group 1 inside the exchange: discarded. It asks to be healed again (its received state
+    # is a window old by the next one), joins there, and takes Lightning's loops from it: both end at step 28.
+    first, second = joined["windows"][:2]
+    assert (first["purpose"], first["committed"], first["healed"]) == ("setup", False, True)
+    assert (second["purpose"], second["committed"], second["healed"]) == ("setup", True, True)
+    assert second["local_steps"] == first["local_steps"] + PERIOD and joined["start_step"] == second["local_steps"]
+    survivor_windows = {window["local_steps"]: window for window in survivor["windows"]}
+    assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
+               for window in joined["windows"][1:])
+    assert joined["global_step"] == survivor["global_step"] == 28 and torch.equal(joined["final"], survivor["final"])
 
 
 def test_fedavg_draws_among_the_groups_present_and_a_restarted_group_rejoins(runs):

@@ -7,7 +7,8 @@ baseline a run without failures must equal. The spec names the Lighthouse, the g
 strategy's arguments, and the failure to inject into this group: ``{"kill": {"group": 2, "step": 6}}`` exits this
 job's processes right after that optimizer step (inside a window), ``{"kill": {"group": 2, "window": 2,
 "all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange; ``"exchange": 1``: the
-first batch of point-to-point transfers of a compressed one). A restarted job (the ``restart`` argument) injects
+first batch of point-to-point transfers of a compressed one; ``"rejoined": true`` instead of ``"window"``: in the
+first window with every group after one with fewer, where a restarted group joins). A restarted job (the ``restart`` argument) injects
 nothing. Each window records the model before and after it and, under ``compression``, the compressed state of every
 bucket before and after it.
 
@@ -75,12 +76,17 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first
     With ``first_quorum``, that file is created as this job asks for its first quorum."""
     windows: list[dict] = []
     end_window = strategy.end_window
-    calls = {"window": 0, "all_reduce": 0, "exchange": 0}
+    calls = {"window": 0, "all_reduce": 0, "exchange": 0, "fewer": False}
+
+    def due(quorum: QuorumCommunicator) -> bool:  # the window the failure is injected into
+        if kill.get("rejoined"):  # the first with every group after one with fewer: a restarted group's join
+            return calls["fewer"] and quorum.manager.num_participants() == quorum.groups
+        return calls["window"] == kill.get("window")
 
     def dying(name: str, call):
         def counted(self, *args):
             calls[name] += 1
-            if kill and calls["window"] == kill.get("window") and calls[name] == kill.get(name):
+            if kill and calls[name] == kill.get(name) and due(self):
                 os._exit(17)
             return call(self, *args)
         return counted
@@ -93,6 +99,7 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first
         before = strategy.model_vector.get().clone()
         compression = compression_state(strategy)
         committed = end_window(purpose)
+        calls["fewer"] |= strategy._windows.quorum.membership.groups < strategy._windows.quorum.groups
         optimizer = strategy.optimizers[0] if strategy.optimizers else None
         windows.append({"purpose": purpose, "before": before, "after": strategy.model_vector.get().clone(),
                         "committed": committed, "healed": strategy._windows.quorum.healed,
@@ -161,8 +168,9 @@ def main() -> None:
     averaging.AVERAGE_BUCKET = spec.get("bucket", averaging.AVERAGE_BUCKET)
     out = Path(spec["out"]) / spec["name"]
     out.mkdir(parents=True, exist_ok=True)
-    kill = None if restart else spec.get("kill")
-    kill = kill if kill and kill["group"] == group else None
+    kills = spec.get("kill") or []
+    kills = [kills] if isinstance(kills, dict) else kills  # one failure, or a list of them (one per group)
+    kill = None if restart else next((kill for kill in kills if kill["group"] == group), None)
     restarted_mark = Path(spec["out"]) / f"{spec['name']}_restarted"
 
     L.seed_everything(0, workers=True, verbose=False)
