@@ -75,9 +75,11 @@ def runs(tmp_path_factory):
                                       "strategy": {"period": PERIOD, "hierarchy": "node"}, "await_restart": 12,
                                       "kill": {"group": 2, "step": 6}}, out / "node_loss_jobs", restart_group=2)
     results["node_loss"] = (codes, group_results(out / "node_loss_jobs", "node_loss", 3, 2, restarted=(2,)))
-    # No failure: DiLoCo on 2 groups of 2 ranks, against the same fit without the option on 2 nodes of 2 ranks. Each
+    # No failure: DiLoCo with int8 on 2 groups of 2 ranks, against the same fit without the option on 2 nodes of 2
+    # ranks (after the first, exact window, the same compressed exchanges between the nodes' ranks). Each
     # group writes a checkpoint at step 6 (inside a window), from which it resumes on one rank.
-    spec = {"max_steps": 12, "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True, "hierarchy": "node"}}
+    spec = {"max_steps": 12, "start_barrier": True,
+            "strategy": {"period": PERIOD, "diloco": True, "hierarchy": "node", "compression": "int8"}}
     run_replica_groups(2, 2, {**spec, "name": "no_failure", "checkpoint": 6}, out / "no_failure_jobs")
     results["no_failure"] = group_results(out / "no_failure_jobs", "no_failure", 2, 2)
     run_replica_groups(2, 1, {**spec, "name": "resized", "resume_from": "no_failure", "resume_step": 6},
