@@ -60,6 +60,7 @@ from lightning_dist.comm.quorum import QuorumCommunicator, torchft_manager
 from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
 from lightning_dist.strategies._fragment_exchange import Lanes
 from lightning_dist.strategies._hierarchy import NodeHierarchy
+from lightning_dist.strategies._outer import OUTER_KEY
 from lightning_dist.strategies._replica_windows import FaultTolerantWindows, Select
 
 log = logging.getLogger(__name__)
@@ -314,7 +315,8 @@ class ReplicaGroups:
         state and Lightning's training state; copies on the host, counted under ``checkpoint``."""
         assert self._windows is not None
         trainer = self.lightning_module.trainer
-        state = on_host({"protocol": self.protocol_state_dict(), "generator": self._generator.get_state(),
+        protocol = reference_as_committed(self.protocol_state_dict(), self.model_vector.num_parameters)
+        state = on_host({"protocol": protocol, "generator": self._generator.get_state(),
                          "local_steps": self._local_steps, "syncs": self._syncs,
                          "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
                          "training": lightning_training_state(trainer) if self.optimizers else None})
@@ -326,7 +328,8 @@ class ReplicaGroups:
         """Take a peer's :meth:`recovery_state` (in torchft's quorum, before this window's exchange): the optimizer
         state now if training has started, else kept for Lightning's restore after set-up."""
         assert self._windows is not None
-        self.load_protocol_state_dict(state["protocol"])  # the committed model with it (fault_tolerance_state)
+        # the committed model with it (fault_tolerance_state), and DiLoCo's reference from it if sent once
+        self.load_protocol_state_dict(reference_from_committed(state["protocol"], self.model_vector.num_parameters))
         self._local_steps, self._syncs = state["local_steps"], state["syncs"]
         self._generator.set_state(state["generator"])  # FedAvg's draws, the same in every group
         if self.optimizers:
@@ -369,6 +372,27 @@ class ReplicaGroups:
     def fault_tolerance_metrics(self) -> dict[str, float]:
         """``ft/*`` (the groups in the last quorum, commits, discarded windows) under ``fault_tolerance``."""
         return {} if self._windows is None else self._windows.metrics()
+
+
+def reference_as_committed(protocol: Mapping[str, Any], num_parameters: int) -> Mapping[str, Any]:
+    """``protocol`` without DiLoCo's reference when it is the committed model's parameters, as between windows
+    (a window ends with the outer step's result, or back at the committed model) unless the model's dtype rounds it:
+    sent once, not twice (a fifth of a heal's bytes under DiLoCo with Adam)."""
+    outer, committed = protocol.get(OUTER_KEY), protocol.get(FAULT_TOLERANCE_KEY)
+    if outer is None or committed is None:
+        return protocol
+    reference, anchor = outer["reference"], committed["anchor"][:num_parameters]
+    if reference.dtype != anchor.dtype or not torch.equal(reference, anchor.to(reference.device)):
+        return protocol
+    return {**protocol, OUTER_KEY: {**outer, "reference": None}}
+
+
+def reference_from_committed(protocol: Mapping[str, Any], num_parameters: int) -> Mapping[str, Any]:
+    """Undo :func:`reference_as_committed` on the receiving side."""
+    outer = protocol.get(OUTER_KEY)
+    if outer is None or outer["reference"] is not None:
+        return protocol
+    return {**protocol, OUTER_KEY: {**outer, "reference": protocol[FAULT_TOLERANCE_KEY]["anchor"][:num_parameters]}}
 
 
 def tensors_in(state: Any) -> list[Tensor]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers.launch import load_results, run_nodes, run_replica_groups
+from helpers.user_models import DigitsCNN
 from lightning_dist.algorithms.averaging import sample_participants
 from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
 from lightning_dist.algorithms.subset_average import chunk_bounds
@@ -141,6 +142,11 @@ def test_restarted_group_rejoins_with_the_live_state(runs):
     start = joined["start_optimizer"]
     assert joined["start_step"] == steps and start["lr"] == sources[0]["lr"] == sources[1]["lr"] == 0.005
     assert [same_state(start["state"], source["state"]) for source in sources].count(True) == 1
+    # The live state a survivor sent, counted at the sender: the committed model once (DiLoCo's reference is its
+    # parameters, not sent again), DiLoCo's momentum, Adam's two moments, and a few kB of counters and generator.
+    model, parameters = joined["final"].numel(), sum(parameter.numel() for parameter in DigitsCNN().parameters())
+    sent = sum(results[group][0]["comm"].bytes_by_purpose["checkpoint"] for group in (0, 1))
+    assert 4 * (model + 3 * parameters) <= sent < 4 * (model + 4 * parameters)
 
 
 def same_state(first, second):
