@@ -66,8 +66,9 @@ class QuorumCommunicator:
     """The learners' communicator over torchft's ``Manager`` for one rank of a replica group (see the module).
 
     Args:
-        manager: the rank's torchft ``Manager`` (``use_async_quorum=False``: a healed group's state is applied
-            before the window's all-reduces, by the state-dict functions registered on it).
+        make_manager: makes the rank's torchft ``Manager`` (:func:`torchft_manager`) given ``on_receive``, called
+            as torchft starts to fetch a peer's state for this rank (``use_async_quorum=False``: a healed group's
+            state is applied before the window's all-reduces, by the state-dict functions registered on it).
         counted_by: the strategy's communicator, whose counters these bytes go into (level ``inter_node``).
         timeout: named in failures.
         group: this rank's replica group, of ``groups``.
@@ -75,8 +76,9 @@ class QuorumCommunicator:
 
     level = "inter_node"
 
-    def __init__(self, manager: Any, counted_by: Any, timeout: timedelta, group: int, groups: int) -> None:
-        self.manager = manager
+    def __init__(self, make_manager: Callable[..., Any], counted_by: Any, timeout: timedelta, group: int,
+                 groups: int) -> None:
+        self.manager = make_manager(on_receive=self.receiving)
         self._counted_by = counted_by
         self.timeout = timeout
         self.group, self.groups = group, groups
@@ -87,6 +89,7 @@ class QuorumCommunicator:
         self.voted = False
         self.membership: Membership | None = None
         self.healed = False
+        self.behind = False
         self.on_membership: Callable[[Membership | None, Membership], None] | None = None
 
     @property
@@ -95,13 +98,19 @@ class QuorumCommunicator:
 
     def begin_window(self) -> None:
         """Form this window's quorum (blocking; torchft heals this group here if it is behind)."""
-        self.healed = False
+        self.healed = self.behind = False
         self.manager.start_quorum()
+
+    def receiving(self) -> None:
+        """Mark this window's quorum as one that heals this rank (``behind``), whether or not the state then
+        arrives: torchft calls it from its quorum thread before the transfer, which :meth:`begin_window` waits
+        for. A transfer that fails leaves ``healed`` false and torchft's step where it was."""
+        self.behind = True
 
     def fall_behind(self) -> None:
         """Have the next quorum heal this group again (torchft heals a group whose step is below the quorum's): a
-        join whose window was discarded left this group at the others' step, but its received state is a window
-        old by then."""
+        join whose window was discarded left this group at the others' step if its state arrived (a window old by
+        then), at its own if not."""
         self.manager.load_state_dict({"step": 0, "batches_committed": self.manager.batches_committed()})
 
     def committed_before(self) -> bool:
@@ -209,11 +218,12 @@ class QuorumCommunicator:
 
 def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, lighthouse: str,
                     min_replicas: int, timeout: timedelta, quorum_timeout: timedelta,
-                    state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> Any:
+                    state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+                    on_receive: Callable[[], None]) -> Any:
     """A torchft ``Manager`` for this rank of its replica group: torchft's reconfigurable Gloo group between
     groups, its servers and the group's own store (torchrun's, at ``MASTER_PORT``) advertised at this host's
     address on the route to the Lighthouse, synchronous quorums, and ``state_dict``/``load_state_dict`` as what a
-    behind group receives.
+    behind group receives (``on_receive`` called as its transfer starts).
 
     No ``init_sync``: torchft would then heal every group but one at step 0, and it picks the source per local rank
     (local rank ``j`` from the ``j``-th group), so a group's ranks would start from different groups' models. The
@@ -229,6 +239,10 @@ def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, 
 
         def address(self) -> str:
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+            on_receive()
+            return super().recv_checkpoint(*args, **kwargs)
 
     return Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,

@@ -42,6 +42,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -207,10 +208,11 @@ class ReplicaGroups:
         layout = NodeLayout((tuple(range(self.comm.world_size)),))
         node = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout),
                             "intra_node", counted_by=self.comm)
-        manager = torchft_manager(
-            group_rank=self.comm.rank, group_world_size=self.comm.world_size, replica_id=f"lightning_dist_{group}",
-            lighthouse=option.lighthouse_address(), min_replicas=option.min_replicas, timeout=option.timeout,
-            quorum_timeout=option.quorum_timeout, state_dict=self.recovery_state, load_state_dict=self.load_recovery_state)
+        manager = partial(
+            torchft_manager, group_rank=self.comm.rank, group_world_size=self.comm.world_size,
+            replica_id=f"lightning_dist_{group}", lighthouse=option.lighthouse_address(),
+            min_replicas=option.min_replicas, timeout=option.timeout, quorum_timeout=option.quorum_timeout,
+            state_dict=self.recovery_state, load_state_dict=self.load_recovery_state)
         return NodeHierarchy(layout, node, QuorumCommunicator(manager, self.comm, option.timeout, group,
                                                              option.num_replica_groups))
 
@@ -220,17 +222,18 @@ class ReplicaGroups:
         in progress has Lightning restore the peer's loops, schedulers and optimizer state after set-up, as from a
         checkpoint (not read from disk).
 
-        A join whose window is discarded (another group lost inside it) is tried again at the others' next window
-        before training starts: only at set-up can Lightning take a peer's loops, and a group that trained on from
-        its own would count its steps from zero, ending its ``fit`` after the others."""
+        A join whose window is discarded (another group lost inside it, or the peer's state never arrived) is tried
+        again at the others' next window before training starts: only at set-up can Lightning take a peer's loops,
+        and a group that trained on from its own would count its steps from zero, ending its ``fit`` after the
+        others. Whether torchft tried to heal the group (``behind``) decides, not whether the state arrived."""
         assert self._hierarchy is not None
         assert self._buckets is not None  # made at set-up: the job always has a hierarchy
         self._windows = FaultTolerantWindows(self.model_vector, Lanes(self.comm, self._hierarchy), self._buckets, HOST,
                                              lambda: self.raise_unless_finite(self.model_vector.all_finite()),
                                              self.group_any)
         committed = self.end_window("setup")
-        # Committed and healed are the same on every rank of the job (should_commit; healed is any rank's).
-        while not committed and self._windows.quorum.healed:
+        # Committed is the same on every rank of the job (should_commit), and so is any rank's being behind.
+        while not committed and self.group_any(self._windows.quorum.behind):
             log.warning("lightning_dist: replica group %d: its join was discarded; joining at the next window",
                         self._windows.quorum.group)
             self._windows.quorum.fall_behind()

@@ -63,6 +63,13 @@ def runs(tmp_path_factory):
                                       "kill": [{"group": 2, "step": 6}, {"group": 1, "rejoined": True, "all_reduce": 2}]},
                                out / "join_lost_jobs", restart_group=2)
     results["join_lost"] = (codes, group_results(out / "join_lost_jobs", "join_lost", 3, 1, restarted=(2,), lost=(1,)))
+    # Periodic averaging, one rank per group: group 2 dies at step 6 and is started again, and the first transfer of
+    # a peer's state to it fails (the others' window waits for it until the option's timeout, 10 s here).
+    codes = run_replica_groups(3, 1, {"name": "heal_fails", "max_steps": 20, "step_sleep": 0.1, "await_restart": 12,
+                                      "start_barrier": True, "timeout": 10, "heal_fails": True,
+                                      "strategy": {"period": PERIOD}, "kill": {"group": 2, "step": 6}},
+                               out / "heal_fails_jobs", restart_group=2)
+    results["heal_fails"] = (codes, group_results(out / "heal_fails_jobs", "heal_fails", 3, 1, restarted=(2,)))
     # FedAvg (half of 4 groups a round), one rank per group: group 3 dies inside the second window and is started
     # again; the others hold after step 12 until it is up.
     codes = run_replica_groups(4, 1, {"name": "fedavg", "max_steps": 20, "step_sleep": 0.1, "await_restart": 12,
@@ -249,6 +256,25 @@ def test_a_join_whose_window_is_discarded_joins_at_the_next_one(runs):
     assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
                for window in joined["windows"][1:])
     assert joined["global_step"] == survivor["global_step"] == 28 and torch.equal(joined["final"], survivor["final"])
+
+
+def test_a_join_whose_state_never_arrives_joins_at_the_next_window(runs):
+    codes, results = runs["heal_fails"]
+    assert codes[0] == codes[1] == codes[3] == 0 and codes[2] != 0
+    survivor, joined = results[0][0], results["2_restart"][0]
+    # torchft tried to heal it, the transfer failed: no state (its own step count), the window discarded everywhere.
+    # It is still behind, is healed at the others' next window, and takes Lightning's loops there: every group ends
+    # at step 20.
+    first, second = joined["windows"][:2]
+    assert (first["purpose"], first["committed"], first["healed"], first["behind"]) == ("setup", False, False, True)
+    assert first["local_steps"] == 0
+    assert (second["purpose"], second["committed"], second["healed"]) == ("setup", True, True)
+    assert joined["start_step"] == second["local_steps"]
+    survivor_windows = {window["local_steps"]: window for window in survivor["windows"]}
+    assert not survivor_windows[second["local_steps"] - PERIOD]["committed"]
+    assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
+               for window in joined["windows"][1:])
+    assert joined["global_step"] == survivor["global_step"] == 20 and torch.equal(joined["final"], survivor["final"])
 
 
 def test_fedavg_draws_among_the_groups_present_and_a_restarted_group_rejoins(runs):

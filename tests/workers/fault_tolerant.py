@@ -9,7 +9,8 @@ job's processes right after that optimizer step (inside a window), ``{"kill": {"
 "all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange; ``"exchange": 1``: the
 first batch of point-to-point transfers of a compressed one; ``"rejoined": true`` instead of ``"window"``: in the
 first window with every group after one with fewer, where a restarted group joins). A restarted job (the ``restart`` argument) injects
-nothing. Each window records the model before and after it and, under ``compression``, the compressed state of every
+nothing there; with ``"heal_fails": true`` its first transfer of a peer's state fails (torchft's checkpoint
+transport raises, as when the peer is lost mid-transfer). ``"timeout"``: the option's, in seconds (30). Each window records the model before and after it and, under ``compression``, the compressed state of every
 bucket before and after it.
 
 ``"start_barrier"`` makes every group's job wait, once its torchft Manager heartbeats, for the others' to, so the
@@ -103,6 +104,7 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first
         optimizer = strategy.optimizers[0] if strategy.optimizers else None
         windows.append({"purpose": purpose, "before": before, "after": strategy.model_vector.get().clone(),
                         "committed": committed, "healed": strategy._windows.quorum.healed,
+                        "behind": strategy._windows.quorum.behind,
                         "compression_before": compression, "compression_after": compression_state(strategy),
                         "rank": strategy._windows.quorum.rank, "averaged": strategy._windows.averaged,
                         "optimizer": None if optimizer is None else optimizer_summary(optimizer),
@@ -129,6 +131,21 @@ def optimizer_summary(optimizer: torch.optim.Optimizer) -> dict:
     return {"lr": optimizer.param_groups[0]["lr"],
             "state": {index: {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()}
                       for index, state in optimizer.state_dict()["state"].items()}}
+
+
+def fail_first_heal() -> None:
+    """torchft's checkpoint transport raises on this process's first transfer of a peer's state."""
+    from torchft.checkpointing import HTTPTransport
+
+    receive, calls = HTTPTransport.recv_checkpoint, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("injected: the peer's state did not arrive")
+        return receive(self, *args, **kwargs)
+
+    HTTPTransport.recv_checkpoint = failing
 
 
 def wait_for(condition, what: str, timeout: float = 240) -> None:
@@ -188,10 +205,13 @@ def main() -> None:
         windows = []
     else:
         option = TorchFT(num_replica_groups=spec["groups"], min_replicas=spec.get("min_replicas", 1),
-                         replica_group=group, lighthouse=spec["lighthouse"], timeout=timedelta(seconds=30),
+                         replica_group=group, lighthouse=spec["lighthouse"],
+                         timeout=timedelta(seconds=spec.get("timeout", 30)),
                          quorum_timeout=timedelta(seconds=120))
         strategy = PeriodicAveragingStrategy(fault_tolerance=option, **kwargs)
         windows = record_windows(strategy, kill, restarted_mark if restart else None)
+        if restart and spec.get("heal_fails"):
+            fail_first_heal()
         if spec.get("start_barrier") and not restart:
             after_manager(strategy, lambda: wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", group,
                                                             spec["groups"]))
