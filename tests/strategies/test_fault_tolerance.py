@@ -49,9 +49,11 @@ def runs(tmp_path_factory):
                                       "kill": {"group": 2, "window": 3, "all_reduce": 2}},
                                out, restart_group=2)
     results["rejoin"] = (codes, group_results(out, "rejoin", 3, 1, restarted=(2,)))
-    # Periodic averaging with int8 compression, one rank per group: group 2 dies in the first batch of transfers of
-    # the window ending at step 8 and is started again; the others hold after step 16 until it is up.
+    # Periodic averaging with int8 compression on the user's CNN (BatchNorm's buffers averaged exactly beside the
+    # compressed parameters, Adam), one rank per group: group 2 dies in the first batch of transfers of the window
+    # ending at step 8 and is started again; the others hold after step 16 until it is up.
     codes = run_replica_groups(3, 1, {"name": "compressed", "max_steps": 24, "step_sleep": 0.1, "await_restart": 16,
+                                      "model": "cnn",
                                       "start_barrier": True, "strategy": {"period": PERIOD, "compression": "int8"},
                                       "kill": {"group": 2, "window": 3, "exchange": 1}},
                                out / "compressed_jobs", restart_group=2)
@@ -182,18 +184,22 @@ def test_survivors_average_their_own_work_when_a_node_dies_inside_a_window(runs)
 
 
 def compressed_window(windows, step, contributors=None, joiner=False, owners=None):
-    """A compressed window by :func:`compressed_mean`, the definition, from each group's model and residual before it
-    (a joining group's delta and residual zero) and the owners' residuals (default zero: the chunks were cut anew, the
-    quorum's groups changed): the mean, each group's residual and each owner's residual after it."""
+    """A compressed window by its definition, from each group's model and residual before it (a joining group's delta,
+    buffers and residual zero) and the owners' residuals (default zero: the chunks were cut anew, the quorum's groups
+    changed): the parameters' :func:`compressed_mean`, the buffers' exact mean over the contributors. Returns the
+    mean, each group's residual and each owner's residual after it."""
     common = windows[0][step]["compression_before"][0]["common"]
-    deltas = [window[step]["before"] - common for window in windows] + [torch.zeros_like(common)] * joiner
     residuals = [window[step]["compression_before"][0]["residual"] for window in windows]
-    residuals += [torch.zeros_like(common)] * joiner
+    parameters = residuals[0].numel()  # the residuals are of the parameters; the buffers follow them
+    deltas = [window[step]["before"][:parameters] - common[:parameters] for window in windows]
+    deltas += [torch.zeros(parameters)] * joiner
+    residuals += [torch.zeros(parameters)] * joiner
     if owners is None:
-        bounds = chunk_bounds(common.numel(), list(range(len(deltas)))).values()
+        bounds = chunk_bounds(parameters, list(range(len(deltas)))).values()
         owners = [torch.zeros(stop - start) for start, stop in bounds]
     applied, residuals, owners = compressed_mean(deltas, residuals, owners, "int8", contributors)
-    return common + applied, residuals, owners
+    buffers = sum(window[step]["before"][parameters:] for window in windows) / (contributors or len(windows))
+    return torch.cat([common[:parameters] + applied, buffers]), residuals, owners
 
 
 def test_a_failed_compressed_exchange_rolls_back_the_residuals_and_the_survivors_go_on(runs):
@@ -232,10 +238,14 @@ def test_a_group_rejoins_a_compressed_run_with_a_zero_delta(runs):
                for window in joined["windows"])
     assert torch.equal(joined["final"], results[0][0]["final"])
     # Bytes, counted at the sender between groups: its int8 pieces of the two chunks it does not own, its piece of
-    # the mean to both others, once per window; and the contributor count's all-reduce (7 float64) as a ring's share.
-    owners = list(chunk_bounds(first["before"].numel(), [0, 1, 2]).values())
+    # the mean to both others, and the buffers' all-reduce (float32) as a ring's share, once per window; and the
+    # contributor count's all-reduce (7 float64) as a ring's share.
+    parameters = survivors[0][16]["compression_before"][0]["residual"].numel()
+    buffers = first["before"].numel() - parameters
+    assert buffers > 0
+    owners = list(chunk_bounds(parameters, [0, 1, 2]).values())
     window = sum(encoded_nbytes(stop - start, "int8") for start, stop in owners[:2]) + 2 * encoded_nbytes(
-        owners[2][1] - owners[2][0], "int8")
+        owners[2][1] - owners[2][0], "int8") + 2 * 2 * buffers * 4 // 3
     count = 2 * 2 * 7 * 8 // 3
     assert joined["comm"].bytes_by_purpose["setup"] == window
     assert joined["comm"].bytes_by_purpose["protocol"] == 2 * window + 3 * count
