@@ -208,12 +208,12 @@ class ReplicaGroups:
         layout = NodeLayout((tuple(range(self.comm.world_size)),))
         node = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout),
                             "intra_node", counted_by=self.comm)
-        manager = partial(
+        make_manager = partial(
             torchft_manager, group_rank=self.comm.rank, group_world_size=self.comm.world_size,
             replica_id=f"lightning_dist_{group}", lighthouse=option.lighthouse_address(),
             min_replicas=option.min_replicas, timeout=option.timeout, quorum_timeout=option.quorum_timeout,
             state_dict=self.recovery_state, load_state_dict=self.load_recovery_state)
-        return NodeHierarchy(layout, node, QuorumCommunicator(manager, self.comm, option.timeout, group,
+        return NodeHierarchy(layout, node, QuorumCommunicator(make_manager, self.comm, option.timeout, group,
                                                              option.num_replica_groups))
 
     def join_replica_groups(self) -> None:
