@@ -58,6 +58,16 @@ def runs(tmp_path_factory):
                                       "kill": {"group": 2, "window": 3, "exchange": 1}},
                                out / "compressed_jobs", restart_group=2)
     results["compressed"] = (codes, group_results(out / "compressed_jobs", "compressed", 3, 1, restarted=(2,)))
+    # The same failure under one learner per group of 2 ranks (DDP inside; each local rank exchanges its chunk of
+    # the model with the same local rank of the other groups): both ranks of group 2 die in their first batch of
+    # transfers of the window ending at step 8.
+    codes = run_replica_groups(3, 2, {"name": "compressed_node", "max_steps": 24, "step_sleep": 0.1,
+                                      "await_restart": 16, "model": "cnn", "start_barrier": True,
+                                      "strategy": {"period": PERIOD, "compression": "int8", "hierarchy": "node"},
+                                      "kill": {"group": 2, "window": 3, "exchange": 1}},
+                               out / "compressed_node_jobs", restart_group=2)
+    results["compressed_node"] = (codes, group_results(out / "compressed_node_jobs", "compressed_node", 3, 2,
+                                                       restarted=(2,)))
     # Periodic averaging, one rank per group: group 2 dies at step 6 and is started again; group 1 dies inside the
     # exchange of the window group 2 joins in (the first with 3 groups after one with 2).
     codes = run_replica_groups(3, 1, {"name": "join_lost", "max_steps": 28, "step_sleep": 0.1, "await_restart": 12,
@@ -183,22 +193,24 @@ def test_survivors_average_their_own_work_when_a_node_dies_inside_a_window(runs)
     assert first["global_step"] == 20 and torch.equal(first["final"], second["final"])
 
 
-def compressed_window(windows, step, contributors=None, joiner=False, owners=None):
+def compressed_window(windows, step, contributors=None, joiner=False, owners=None, start=0):
     """A compressed window by its definition, from each group's model and residual before it (a joining group's delta,
     buffers and residual zero) and the owners' residuals (default zero: the chunks were cut anew, the quorum's groups
-    changed): the parameters' :func:`compressed_mean`, the buffers' exact mean over the contributors. Returns the
-    mean, each group's residual and each owner's residual after it."""
+    changed): the parameters' :func:`compressed_mean`, the buffers' exact mean over the contributors. ``windows``
+    are one local rank's of each group, whose exchange covers the model vector from ``start`` (its common model's
+    length). Returns the mean of that range, each group's residual and each owner's residual after it."""
     common = windows[0][step]["compression_before"][0]["common"]
+    stop = start + common.numel()
     residuals = [window[step]["compression_before"][0]["residual"] for window in windows]
-    parameters = residuals[0].numel()  # the residuals are of the parameters; the buffers follow them
-    deltas = [window[step]["before"][:parameters] - common[:parameters] for window in windows]
+    parameters = residuals[0].numel()  # the residuals are of the range's parameters; its buffers follow them
+    deltas = [window[step]["before"][start:start + parameters] - common[:parameters] for window in windows]
     deltas += [torch.zeros(parameters)] * joiner
     residuals += [torch.zeros(parameters)] * joiner
     if owners is None:
         bounds = chunk_bounds(parameters, list(range(len(deltas)))).values()
-        owners = [torch.zeros(stop - start) for start, stop in bounds]
+        owners = [torch.zeros(last - first) for first, last in bounds]
     applied, residuals, owners = compressed_mean(deltas, residuals, owners, "int8", contributors)
-    buffers = sum(window[step]["before"][parameters:] for window in windows) / (contributors or len(windows))
+    buffers = sum(window[step]["before"][start + parameters:stop] for window in windows) / (contributors or len(windows))
     return torch.cat([common[:parameters] + applied, buffers]), residuals, owners
 
 
@@ -250,6 +262,43 @@ def test_a_group_rejoins_a_compressed_run_with_a_zero_delta(runs):
     assert joined["comm"].bytes_by_purpose["setup"] == window
     assert joined["comm"].bytes_by_purpose["protocol"] == 2 * window + 3 * count
     assert joined["comm"].bytes_by_level == {"intra_node": 0, "inter_node": 3 * window + 3 * count}
+
+
+def test_a_failed_compressed_exchange_between_nodes_rolls_back_and_a_restarted_node_rejoins(runs):
+    codes, results = runs["compressed_node"]
+    assert codes[0] == codes[1] == codes[3] == 0 and codes[2] != 0
+    survivors = {(group, rank): {window["local_steps"]: window for window in results[group][rank]["windows"]}
+                 for group in (0, 1) for rank in (0, 1)}
+    joined = [{window["local_steps"]: window for window in results["2_restart"][rank]["windows"]} for rank in (0, 1)]
+    # Every rank of both survivors: the window ending at step 8 discarded, the model and its chunk's residual back.
+    for windows in survivors.values():
+        assert not windows[8]["committed"] and torch.equal(windows[8]["after"], windows[4]["after"])
+        before_8, before_12 = (windows[step]["compression_before"][0]["residual"] for step in (8, 12))
+        assert before_8.abs().sum() > 0 and torch.equal(before_12, before_8)
+    # The survivors' next window and the restarted node's first (its delta zero, 2 contributors), chunk by chunk:
+    # each local rank's range is the definition over the same local rank of the groups, on every rank of every node.
+    assert survivors[0, 0][12]["membership"]["groups"] == 2
+    assert [joined[rank][16]["healed"] and joined[rank][16]["committed"] for rank in (0, 1)] == [True, True]
+    assert (joined[0][16]["membership"]["groups"], joined[0][16]["membership"]["contributors"]) == (3, 2)
+    start = 0
+    for rank in (0, 1):
+        windows = [survivors[group, rank] for group in (0, 1)]
+        stop = start + windows[0][12]["compression_before"][0]["common"].numel()
+        mean, residuals, _ = compressed_window(windows, 12, start=start)
+        joining = compressed_window(windows, 16, contributors=2, joiner=True, start=start)[0]
+        for holder in [*survivors.values(), *joined]:
+            assert torch.equal(holder[16]["after"][start:stop], joining)
+        for holder in survivors.values():
+            assert torch.equal(holder[12]["after"][start:stop], mean)
+        for group in (0, 1):
+            assert torch.equal(windows[group][12]["compression_after"][0]["residual"], residuals[group])
+        start = stop
+    assert start == survivors[0, 0][12]["after"].numel()
+    # From then on every rank of the three nodes holds the same model after every window, and at the end.
+    for rank in (0, 1):
+        assert all(torch.equal(window["after"], survivors[0, 0][step]["after"]) for step, window in joined[rank].items())
+        assert torch.equal(results["2_restart"][rank]["final"], results[0][0]["final"])
+        assert results["2_restart"][rank]["global_step"] == 24
 
 
 def test_a_join_whose_window_is_discarded_joins_at_the_next_one(runs):
