@@ -82,6 +82,14 @@ def runs(tmp_path_factory):
                                       "strategy": {"period": PERIOD}, "kill": {"group": 2, "step": 6}},
                                out / "heal_fails_jobs", restart_group=2)
     results["heal_fails"] = (codes, group_results(out / "heal_fails_jobs", "heal_fails", 3, 1, restarted=(2,)))
+    # The same under one learner per group of 2 ranks (DDP inside, SGD's momentum): only local rank 1's transfer
+    # fails, so the restarted group's rank 0 holds a peer's state and its rank 1 does not.
+    codes = run_replica_groups(3, 2, {"name": "node_heal_fails", "max_steps": 20, "step_sleep": 0.1,
+                                      "await_restart": 12, "start_barrier": True, "timeout": 10, "heal_fails": [1],
+                                      "momentum": 0.9, "strategy": {"period": PERIOD, "hierarchy": "node"},
+                                      "kill": {"group": 2, "step": 6}}, out / "node_heal_fails_jobs", restart_group=2)
+    results["node_heal_fails"] = (codes, group_results(out / "node_heal_fails_jobs", "node_heal_fails", 3, 2,
+                                                       restarted=(2,)))
     # FedAvg (half of 4 groups a round), one rank per group: group 3 dies inside the second window and is started
     # again; the others hold after step 12 until it is up.
     codes = run_replica_groups(4, 1, {"name": "fedavg", "max_steps": 20, "step_sleep": 0.1, "await_restart": 12,
@@ -334,6 +342,32 @@ def test_a_join_whose_state_never_arrives_joins_at_the_next_window(runs):
     assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
                for window in joined["windows"][1:])
     assert joined["global_step"] == survivor["global_step"] == 20 and torch.equal(joined["final"], survivor["final"])
+
+
+def test_a_node_whose_state_arrives_on_one_rank_only_joins_whole_at_the_next_window(runs):
+    codes, results = runs["node_heal_fails"]
+    assert codes[0] == codes[1] == codes[3] == 0 and codes[2] != 0
+    survivor, joined = results[0][0], results["2_restart"]
+    # Rank 0 received a peer's state (the others' step), rank 1 did not (its own, zero): the group does not commit,
+    # every rank of it is still behind, the others discard that window, and both ranks are healed at the next one.
+    firsts = [ranks["windows"][0] for ranks in joined]
+    assert [(first["committed"], first["behind"]) for first in firsts] == [(False, True), (False, True)]
+    assert firsts[0]["local_steps"] > 0 and firsts[1]["local_steps"] == 0
+    survivor_windows = {window["local_steps"]: window for window in survivor["windows"]}
+    assert not survivor_windows[firsts[0]["local_steps"]]["committed"]
+    for rank in (0, 1):
+        second = joined[rank]["windows"][1]
+        assert (second["purpose"], second["committed"], second["healed"]) == ("setup", True, True)
+        assert joined[rank]["start_step"] == second["local_steps"] == firsts[0]["local_steps"] + PERIOD
+        assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
+                   for window in joined[rank]["windows"][1:])
+        assert joined[rank]["global_step"] == 20 and torch.equal(joined[rank]["final"], survivor["final"])
+    # One optimizer state in the group, one survivor's at that window (DDP inside the group needs them equal).
+    steps = joined[0]["start_step"]
+    assert same_state(joined[1]["start_optimizer"]["state"], joined[0]["start_optimizer"]["state"])
+    sources = [{w["local_steps"]: w for w in results[group][0]["windows"]}[steps]["optimizer"]["state"]
+               for group in (0, 1)]
+    assert [same_state(joined[0]["start_optimizer"]["state"], source) for source in sources].count(True) == 1
 
 
 def test_fedavg_draws_among_the_groups_present_and_a_restarted_group_rejoins(runs):

@@ -10,7 +10,7 @@ job's processes right after that optimizer step (inside a window), ``{"kill": {"
 first batch of point-to-point transfers of a compressed one; ``"rejoined": true`` instead of ``"window"``: in the
 first window with every group after one with fewer, where a restarted group joins). A restarted job (the ``restart`` argument) injects
 nothing there; with ``"heal_fails": true`` its first transfer of a peer's state fails (torchft's checkpoint
-transport raises, as when the peer is lost mid-transfer). ``"timeout"``: the option's, in seconds (30). Each window records the model before and after it and, under ``compression``, the compressed state of every
+transport raises, as when the peer is lost mid-transfer; a list of local ranks: on those ranks only). ``"timeout"``: the option's, in seconds (30). Each window records the model before and after it and, under ``compression``, the compressed state of every
 bucket before and after it.
 
 ``"start_barrier"`` makes every group's job wait, once its torchft Manager heartbeats, for the others' to, so the
@@ -210,7 +210,8 @@ def main() -> None:
                          quorum_timeout=timedelta(seconds=120))
         strategy = PeriodicAveragingStrategy(fault_tolerance=option, **kwargs)
         windows = record_windows(strategy, kill, restarted_mark if restart else None)
-        if restart and spec.get("heal_fails"):
+        failing = spec.get("heal_fails")
+        if restart and (failing is True or int(os.environ["LOCAL_RANK"]) in (failing or ())):
             fail_first_heal()
         if spec.get("start_barrier") and not restart:
             after_manager(strategy, lambda: wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", group,
