@@ -36,6 +36,19 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def to_wire(tensor: Tensor, wire_device: torch.device) -> Tensor:
+    """What travels for ``tensor`` on a group that takes tensors on ``wire_device``: ``tensor`` itself, contiguous, or
+    its copy there (staged through the host for Gloo)."""
+    return tensor.contiguous().to(wire_device)
+
+
+def receive_buffer(buffer: Tensor, wire_device: torch.device) -> Tensor:
+    """Where to receive into ``buffer`` on a group that takes tensors on ``wire_device``: ``buffer`` itself, or a
+    contiguous buffer of its shape and dtype there, copied into ``buffer`` once the transfer completes."""
+    return buffer if wire_device == buffer.device and buffer.is_contiguous() else torch.empty_like(
+        buffer, device=wire_device, memory_format=torch.contiguous_format)
+
+
 def stages_through_host(backend_config: str, device: torch.device) -> bool:
     """Whether tensors on ``device`` must travel through host memory on a group with ``backend_config``.
 
@@ -158,14 +171,10 @@ class Communicator:
         return HOST if stages_through_host(self._backend_config, device) else device
 
     def _to_wire(self, tensor: Tensor) -> Tensor:
-        """``tensor`` itself, contiguous, or its host copy when it must stage."""
-        return tensor.contiguous().to(self.wire_device(tensor.device))
+        return to_wire(tensor, self.wire_device(tensor.device))
 
     def _receive_buffer(self, buffer: Tensor) -> Tensor:
-        """Where to receive into ``buffer``: itself, or a host buffer of its shape and dtype when it must stage."""
-        wire_device = self.wire_device(buffer.device)
-        return buffer if wire_device == buffer.device and buffer.is_contiguous() else torch.empty_like(
-            buffer, device=wire_device, memory_format=torch.contiguous_format)
+        return receive_buffer(buffer, self.wire_device(buffer.device))
 
     @property
     def group(self) -> dist.ProcessGroup | None:

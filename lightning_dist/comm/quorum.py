@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dist.comm.communicator import HOST, receive_buffer, to_wire
 from lightning_dist.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
@@ -185,10 +186,10 @@ class QuorumCommunicator:
             tags[direction, peer] = tags.get((direction, peer), -1) + 1
             return tags[direction, peer]
 
-        staged = [(buffer, buffer.to("cpu") if buffer.device.type != "cpu" else buffer) for buffer, _ in receives]
+        staged = [(buffer, receive_buffer(buffer, HOST)) for buffer, _ in receives]
         try:
             works = [group.recv([wire], source, tag("in", source)) for (_, wire), (_, source) in zip(staged, receives)]
-            works += [group.send([tensor.contiguous().to("cpu")], destination, tag("out", destination))
+            works += [group.send([to_wire(tensor, HOST)], destination, tag("out", destination))
                       for tensor, destination in sends]
             for work in works:
                 work.wait()
