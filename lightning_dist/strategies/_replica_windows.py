@@ -85,14 +85,26 @@ class FaultTolerantWindows:
         # torchft's step, the same on every group in the quorum: all compress, or none.
         compressed = self.compresses and self.quorum.committed_before()
         rollback = self._prepare_compressed(contributes) if compressed else None
+        self._exchange(purpose, members, contributors, contributes, compressed)
+        committed = self.quorum.commit() and contributors > 0
+        self._commit_or_roll_back(committed, outer, compressed, rollback)
+        return committed
+
+    def _exchange(self, purpose: str, members: list[int] | None, contributors: int, contributes: bool,
+                  compressed: bool) -> None:
+        """The window's mean written into the model, bucket by bucket (FedAvg's drawn ``members``: theirs only)."""
         if members is not None:  # FedAvg's round: the members' mean on the members, the others keep their replicas
             average_subset_in_place(self.vector, self.exact, self.lanes, members, purpose)
-        else:
-            for bucket in self.buckets if compressed else self.exact:
-                fragment = self.vector.get_range(bucket.start, bucket.stop)
-                mean = bucket.mean(self.lanes, fragment, purpose, contributors, contributes)
-                self.vector.set_range(bucket.start, mean)
-        committed = self.quorum.commit() and contributors > 0
+            return
+        for bucket in self.buckets if compressed else self.exact:
+            fragment = self.vector.get_range(bucket.start, bucket.stop)
+            mean = bucket.mean(self.lanes, fragment, purpose, contributors, contributes)
+            self.vector.set_range(bucket.start, mean)
+
+    def _commit_or_roll_back(self, committed: bool, outer: OuterStep | None, compressed: bool,
+                             rollback: list[dict[str, Any]] | None) -> None:
+        """Committed: the outer step from the mean, the result the new anchor (and the compressed deltas' common
+        model). Discarded: the model back at the anchor and the residuals as they were before the window."""
         for start, stop in bucket_bounds(self.vector.numel, None if outer is None else outer.bucket):
             if committed:
                 if outer is not None:
@@ -117,7 +129,6 @@ class FaultTolerantWindows:
             log.warning("lightning_dist: replica group window discarded (%s): every replica is back at the last "
                         "committed model", "the exchange failed" if self.quorum.failed() else
                         "fewer than min_replicas groups, or another rank of this group failed")
-        return committed
 
     def _members(self, select: Select) -> list[int] | None:
         """FedAvg's participants in this window as ranks of the quorum, None when every contributing group is one.
