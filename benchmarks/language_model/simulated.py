@@ -460,6 +460,9 @@ def parts_parser(description: str, measured: str, scale_methods: list[str]) -> a
                         help="part 2's lock-step methods (DDP, its hooks) re-timed under --collectives from this JSON's "
                              "recorded runs: their first evaluation interval re-run and checked, not the whole run "
                              "(retime.py)")
+    parser.add_argument("--retime-loss-tolerance", type=float, default=0.0,
+                        help="--retime of a run recorded under other numerics (another CPU's kernels): the relative "
+                             "difference of the checked losses accepted (default 0: bit for bit, the same numerics)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's intra-op threads while simulating (the figures' last bits depend on it)")
     parser.add_argument("--native-kernels", action="store_true",
@@ -478,6 +481,15 @@ def check_method_names(args: argparse.Namespace, measured: dict[str, Any]) -> No
     known = [method["name"] for method in measured["config"]["methods"]]
     check_names("--methods", args.methods or [], known, str(args.measured))
     check_names("--scale-methods", args.scale_methods, known, str(args.measured))
+
+
+def check_retime_arguments(args: argparse.Namespace) -> None:
+    """Refuse a ``--retime-loss-tolerance`` out of [0, 1) or without ``--retime``, before anything runs."""
+    if not 0.0 <= args.retime_loss_tolerance < 1.0:
+        raise SystemExit(f"--retime-loss-tolerance must be in [0, 1) (a relative difference of losses); "
+                         f"got {args.retime_loss_tolerance}")
+    if args.retime_loss_tolerance and not args.retime:
+        raise SystemExit("--retime-loss-tolerance applies to --retime only")
 
 
 def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
@@ -504,6 +516,7 @@ def drive(args: argparse.Namespace, argv: list[str] | None, prefix: str,
             if other.get("prediction"):
                 report["prediction"] = merged_prediction(report.get("prediction", []), other["prediction"])
     else:
+        check_retime_arguments(args)
         if not args.native_kernels:
             pin_cpu_kernels()
         measured = json.loads(args.measured.read_text())

@@ -56,3 +56,41 @@ def test_what_cannot_be_retimed_is_refused_by_name():
     other = {**gloo, "numerics": {**gloo["numerics"], "threads": 2}}
     with pytest.raises(ValueError, match="give --threads and --native-kernels as the recorded run had them"):
         retimed(other, DDP, "nccl", rerun_of(DDP))
+
+
+def test_a_run_recorded_on_another_cpu_is_retimed_within_a_stated_loss_tolerance():
+    """A recorded run whose kernels differ (here its numerics say AVX-512 and its losses moved in the last digits)
+    is refused bit for bit, re-timed within a tolerance that covers the difference, refused within one that does not,
+    and refused whatever the tolerance if its bytes differ."""
+    gloo, nccl = run(DDP, "gloo_ring"), run(DDP, "nccl")
+    other_cpu = {**gloo, "numerics": {**gloo["numerics"], "aten_cpu_capability": "AVX512"},
+                 "rows": [{**row, "val_loss": row["val_loss"] * (1 + 3e-6)} for row in gloo["rows"]],
+                 "steps_to_target": 8.0}
+    with pytest.raises(ValueError, match="or a loss tolerance .--retime-loss-tolerance. for a run recorded on another"):
+        retimed(other_cpu, DDP, "nccl", rerun_of(DDP))
+    again = retimed(other_cpu, DDP, "nccl", rerun_of(DDP), loss_tolerance=1e-4)
+    for mine, theirs, recorded in zip(again["rows"], nccl["rows"], other_cpu["rows"]):
+        assert math.isclose(mine["time"], theirs["time"], rel_tol=1e-9)  # the time axis of a run under NCCL
+        assert (mine["val_loss"], mine["bytes"]) == (recorded["val_loss"], recorded["bytes"])  # the recorded run's
+    assert again["retimed"]["loss_tolerance"] == 1e-4 and again["retimed"]["numerics"] == gloo["numerics"]
+    assert again["retimed"]["largest_loss_difference"] == pytest.approx(3e-6, rel=1e-3)
+    with pytest.raises(ValueError, match="not the recorded .* within a relative 1e-06"):
+        retimed(other_cpu, DDP, "nccl", rerun_of(DDP), loss_tolerance=1e-6)
+    first, checked, *later = other_cpu["rows"]
+    more_bytes = {**other_cpu, "rows": [first, {**checked, "bytes": checked["bytes"] + 1}, *later]}
+    with pytest.raises(ValueError, match="not the same trajectory"):
+        retimed(more_bytes, DDP, "nccl", rerun_of(DDP), loss_tolerance=0.5)
+    with pytest.raises(ValueError, match=r"loss_tolerance must be in \[0, 1\)"):
+        retimed(other_cpu, DDP, "nccl", rerun_of(DDP), loss_tolerance=1.0)
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--retime", "x.json", "--retime-loss-tolerance", "-0.1"], r"--retime-loss-tolerance must be in \[0, 1\)"),
+    (["--retime-loss-tolerance", "0.001"], "--retime-loss-tolerance applies to --retime only"),
+])
+def test_a_bad_retime_loss_tolerance_is_refused_before_anything_runs(arguments, message):
+    from benchmarks.language_model.simulated import check_retime_arguments, parts_parser
+
+    args = parts_parser("test", "lm_hierarchy", []).parse_args(arguments)
+    with pytest.raises(SystemExit, match=message):
+        check_retime_arguments(args)
