@@ -34,7 +34,8 @@ Usage::
 Part 2's collectives are Gloo's ring (``--collectives gloo_ring``, the default: the measured CPU runs) or NCCL's
 ring or tree (``nccl``, ``lightning_dist.sim.nccl``: what a GPU cluster's DDP runs); a run under one sits beside
 the same cell under the other. ``--retime JSON`` moves DDP's runs (and its hooks') in that JSON to
-``--collectives`` instead of re-running them (``retime.py``: their first evaluation interval re-run and checked).
+``--collectives`` instead of re-running them (``retime.py``: their first evaluation interval re-run and checked;
+``--retime-loss-tolerance`` for a run recorded on another CPU).
 
 Writes ``lm_hierarchy_sim.json`` and ``lm_hierarchy_sim.png`` (``--out``, default ``benchmarks/results``); scale
 runs of a method and size already in the JSON are replaced, the others kept.
