@@ -45,6 +45,12 @@ def check_lock_step(method: dict[str, Any]) -> None:
             f"{', '.join(LOCK_STEP_KINDS)}) have a trajectory independent of the collectives' times; re-run it")
 
 
+def check_loss_tolerance(loss_tolerance: float) -> None:
+    """Refuse a loss tolerance out of [0, 1) by name (a relative difference of losses)."""
+    if not 0.0 <= loss_tolerance < 1.0:
+        raise ValueError(f"loss_tolerance must be in [0, 1) (a relative difference of losses); got {loss_tolerance}")
+
+
 def _same_step(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=RELATIVE_TOLERANCE, abs_tol=0.0)
 
@@ -60,8 +66,7 @@ def retimed(recorded: dict[str, Any], method: dict[str, Any], collectives: str,
     the short run's.
     """
     check_lock_step(method)
-    if not 0.0 <= loss_tolerance < 1.0:
-        raise ValueError(f"loss_tolerance must be in [0, 1) (a relative difference of losses); got {loss_tolerance}")
+    check_loss_tolerance(loss_tolerance)
     rows = recorded["rows"]
     if len(rows) < 3:
         raise ValueError(f"{recorded['name']} at {recorded['workers']} ranks has {len(rows)} evaluations; re-timing "

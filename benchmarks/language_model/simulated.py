@@ -69,7 +69,7 @@ from lightning_dist.sim.protocols import Protocol, make_protocol
 
 from benchmarks.common.paths import REPO, RESULTS
 from benchmarks.common.report import check_names, command_line, pyplot, save_figure, write_json
-from benchmarks.language_model.retime import retimed_scale
+from benchmarks.language_model.retime import check_loss_tolerance, retimed_scale
 
 PREFIX = "lm_sim"
 PAYLOAD_SHARE = 1448 / 1514
@@ -485,9 +485,10 @@ def check_method_names(args: argparse.Namespace, measured: dict[str, Any]) -> No
 
 def check_retime_arguments(args: argparse.Namespace) -> None:
     """Refuse a ``--retime-loss-tolerance`` out of [0, 1) or without ``--retime``, before anything runs."""
-    if not 0.0 <= args.retime_loss_tolerance < 1.0:
-        raise SystemExit(f"--retime-loss-tolerance must be in [0, 1) (a relative difference of losses); "
-                         f"got {args.retime_loss_tolerance}")
+    try:
+        check_loss_tolerance(args.retime_loss_tolerance)
+    except ValueError as error:
+        raise SystemExit(f"--retime-loss-tolerance: {error}") from None
     if args.retime_loss_tolerance and not args.retime:
         raise SystemExit("--retime-loss-tolerance applies to --retime only")
 
