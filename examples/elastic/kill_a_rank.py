@@ -153,9 +153,14 @@ class Watch:
 
     def until(self, done: Callable[[], bool], what: str) -> None:
         """Waits for ``done``; fails if every agent ended first or ``timeout`` passed."""
-        while not done():
+        while True:
             self.poll()
-            if all(agent.poll() is not None for agent in self.agents):
+            # Whether the agents had all ended is read before ``done``, so that ``done`` has its last look after
+            # they ended: read after it, an agent ending in between failed a run whose ``done`` had just come true.
+            ended = all(agent.poll() is not None for agent in self.agents)
+            if done():
+                break
+            if ended:
                 codes = [agent.returncode for agent in self.agents]
                 raise RuntimeError(f"the run ended before its {what} (agents exited {codes}); "
                                    f"see {self.directory.parent}/agent*.log")

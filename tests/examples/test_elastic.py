@@ -14,6 +14,7 @@ period its checkpoint holds); the lost-node case runs the shipped config as it i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -133,3 +134,40 @@ def test_a_user_cnn_under_downpour_survives_a_lost_node(tmp_path):
     assert record["killed_at_s"] < record["restarted_at_s"] < record["resumed_at_s"]
     assert all(torch.isfinite(tensor).all() for tensor in final_model(record).values() if tensor.is_floating_point())
     assert record["val_acc"] > 0.8
+
+
+def watch_module():
+    """``kill_a_rank.py`` imported as a module (it is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("kill_a_rank", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class AgentEndingOnLook:
+    """An agent process that is running for its first ``running_looks`` polls and has exited 0 after."""
+
+    def __init__(self, running_looks: int) -> None:
+        self.looks, self.running_looks, self.returncode = 0, running_looks, None
+
+    def poll(self) -> int | None:
+        self.looks += 1
+        if self.looks > self.running_looks:
+            self.returncode = 0
+        return self.returncode
+
+
+def test_the_watch_accepts_an_end_that_comes_between_its_looks(tmp_path):
+    """The agent ends after the watch's first look: waiting for the end must succeed, not report that the run
+    ended before its end (a race that failed the lost-node case once)."""
+    agents = [AgentEndingOnLook(running_looks=1)]
+    watch = watch_module().Watch(tmp_path, agents, timeout=5)
+    watch.until(lambda: all(agent.poll() is not None for agent in agents), "end")
+    assert agents[0].returncode == 0
+
+
+def test_the_watch_fails_when_the_agents_ended_before_the_condition(tmp_path):
+    agents = [AgentEndingOnLook(running_looks=0)]
+    watch = watch_module().Watch(tmp_path, agents, timeout=5)
+    with pytest.raises(RuntimeError, match=r"the run ended before its restart \(agents exited \[0\]\)"):
+        watch.until(lambda: False, "restart")
