@@ -29,7 +29,6 @@ Intel Xeon of issue 42) and the spread of each figure over both, which ``example
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -40,7 +39,7 @@ from typing import Any, Optional
 
 from lightning_dist.sim.numerics import PINNED_KERNELS, numerics
 
-from benchmarks.common.paths import REPO, RESULTS
+from benchmarks.common.paths import REPO, RESULTS, load_example
 from benchmarks.common.report import check_names, command_line, write_json
 
 # name: (what changes, environment on top of PINNED_KERNELS (None: unset, the library's own choice), threads)
@@ -65,17 +64,9 @@ FIGURES = ("delta", "dynamic_steps", "dynamic_virtual_s", "speedup", "ddp_steps"
            "dynamic_final_loss")
 
 
-def load_demo() -> Any:
-    """``examples/lm_demo.py`` as a module (examples/ is no package)."""
-    spec = importlib.util.spec_from_file_location("lm_demo", REPO / "examples" / "lm_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def child(name: str, threads: int) -> dict[str, Any]:
     """One variant, in this process, its environment set by the parent: the demo's two runs and their figures."""
-    demo = load_demo()
+    demo = load_example("lm_demo")
     work = demo.workload(workers=4)
     lines, results = [], []
     for method in work["methods"]:

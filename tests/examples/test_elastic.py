@@ -14,7 +14,6 @@ period its checkpoint holds); the lost-node case runs the shipped config as it i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ import pytest
 import torch
 import yaml
 
+from benchmarks.common.paths import load_example
 from helpers.accuracy import noise_band
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,14 +136,6 @@ def test_a_user_cnn_under_downpour_survives_a_lost_node(tmp_path):
     assert record["val_acc"] > 0.8
 
 
-def watch_module():
-    """``kill_a_rank.py`` imported as a module (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("kill_a_rank", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class AgentEndingOnLook:
     """An agent process that is running for its first ``running_looks`` polls and has exited 0 after."""
 
@@ -161,13 +153,13 @@ def test_the_watch_accepts_an_end_that_comes_between_its_looks(tmp_path):
     """The agent ends after the watch's first look: waiting for the end must succeed, not report that the run
     ended before its end (a race that failed the lost-node case once)."""
     agents = [AgentEndingOnLook(running_looks=1)]
-    watch = watch_module().Watch(tmp_path, agents, timeout=5)
+    watch = load_example("elastic/kill_a_rank").Watch(tmp_path, agents, timeout=5)
     watch.until(lambda: all(agent.poll() is not None for agent in agents), "end")
     assert agents[0].returncode == 0
 
 
 def test_the_watch_fails_when_the_agents_ended_before_the_condition(tmp_path):
     agents = [AgentEndingOnLook(running_looks=0)]
-    watch = watch_module().Watch(tmp_path, agents, timeout=5)
+    watch = load_example("elastic/kill_a_rank").Watch(tmp_path, agents, timeout=5)
     with pytest.raises(RuntimeError, match=r"the run ended before its restart \(agents exited \[0\]\)"):
         watch.until(lambda: False, "restart")

@@ -8,7 +8,6 @@ at this size both the thread count and each of MKL's, ATen's and oneDNN's code p
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -24,6 +23,8 @@ from lightning_dist.data import StdlibTextDataModule
 from lightning_dist.models import TransformerLM
 from lightning_dist.sim import NetworkModel, Simulation, SpeedModel, make_protocol
 from lightning_dist.sim.numerics import PINNED_KERNELS
+
+from benchmarks.common.paths import load_example
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -120,9 +121,7 @@ def test_pinned_kernels_replay_a_run_bit_for_bit_whatever_kernels_the_cpu_would_
 def test_the_readme_shows_the_demos_recorded_replay_and_how_far_another_cpu_moves_it():
     """README's and getting-started's demo output is ``demo_replay.json``'s pinned run (the wall seconds aside) and the
     line the demo prints from that file's spread, which holds the Intel Xeon's reported figures (issue 42)."""
-    spec = importlib.util.spec_from_file_location("lm_demo", REPO / "examples" / "lm_demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_example("lm_demo")
     record = json.loads(demo.REPLAYS.read_text())
     pinned = next(variant for variant in record["variants"] if variant["name"] == "pinned")
     assert pinned["numerics"]["threads"] == 1 and pinned["numerics"]["mkl_cbwr"] == "COMPATIBLE"
