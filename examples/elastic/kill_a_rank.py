@@ -167,7 +167,6 @@ class Watch:
             if self.elapsed() > self.timeout:
                 raise TimeoutError(f"no {what} within {self.timeout} s; see {self.directory.parent}/agent*.log")
             time.sleep(0.05)
-        self.poll()
 
 
 def resumed(workdir: Path) -> bool:

@@ -85,7 +85,8 @@ def test_a_run_recorded_on_another_cpu_is_retimed_within_a_stated_loss_tolerance
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
-    (["--retime", "x.json", "--retime-loss-tolerance", "-0.1"], r"--retime-loss-tolerance: loss_tolerance must be in \[0, 1\)"),
+    (["--retime", "x.json", "--retime-loss-tolerance", "-0.1"],
+     r"--retime-loss-tolerance: loss_tolerance must be in \[0, 1\)"),
     (["--retime-loss-tolerance", "0.001"], "--retime-loss-tolerance applies to --retime only"),
 ])
 def test_a_bad_retime_loss_tolerance_is_refused_before_anything_runs(arguments, message):
