@@ -22,6 +22,11 @@ and the compressed exchange's state (a
 :class:`~lightning_dist.strategies._fragment_exchange.FragmentExchange`'s :class:`CompressedAverage`: its common model is the fragment's last
 synchronized model, and the error-feedback residuals; on ``state_device`` too, brought to the model's device for
 the fragment's exchange); one exchange in flight at a time.
+
+A ``fit`` that ends between an exchange's start and its merge merges it then (:meth:`StreamingSync.merge_early`)
+rather than lose it, and records which fragment's exchange, started after which step: a run resumed from a checkpoint
+written after that ``fit`` passes the plan's merge step of that exchange without merging again (the early merge was
+the merge: one outer step, one synchronization counted) and goes on with the plan's schedule.
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class StreamingSync:
             for fragment in self.fragments:
                 fragment.hold(vector.get_range(fragment.start, fragment.stop))
         self.in_flight: _InFlight | None = None
+        self.merged_early: tuple[int, int] | None = None
+        """The exchange merged at the end of ``fit`` before its merge step, ``(fragment, step it started after)``,
+        until the plan reaches that step."""
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and background is not None else None
 
     def _outer_step(self, factory: OuterOptimizerFactory | None, fragment: FragmentExchange) -> OuterStep | None:
@@ -98,16 +106,24 @@ class StreamingSync:
     # ------------------------------------------------------------ the schedule
 
     def after_step(self, step: int) -> bool:
-        """Start and merge what the plan says after optimizer ``step``; True when a fragment was merged."""
+        """Start and merge what the plan says after optimizer ``step``; True when a fragment was merged (False at
+        the merge step of an exchange :meth:`merge_early` merged: it is not merged, stepped or counted twice)."""
         started = self.plan.started_after(step)
         if started is not None:
             self.start(started, step)
         merged = self.plan.merged_after(step)
         if merged is None:
             return False
+        if self.in_flight is None and self.merged_early == (merged, step - self.plan.delay):
+            self.merged_early = None
+            return False
         if self.in_flight is None or self.in_flight.fragment != merged:
+            flying = "nothing" if self.in_flight is None else self.in_flight.fragment
+            early = "" if self.merged_early is None else (
+                f" (fragment {self.merged_early[0]}'s exchange, started after step {self.merged_early[1]}, was merged "
+                "when fit ended)")
             raise RuntimeError(f"streaming synchronization: fragment {merged} is due to merge after step {step}, but "
-                               f"{'nothing' if self.in_flight is None else self.in_flight.fragment} is in flight")
+                               f"{flying} is in flight{early}")
         self.merge_in_flight()
         return True
 
@@ -170,6 +186,17 @@ class StreamingSync:
                                                                              synchronized, alpha))
         self.fragments[fragment].hold(synchronized)  # compression's next deltas of this fragment are taken from it
 
+    def merge_early(self) -> bool:
+        """``fit`` ends before the exchange in flight (if any) is due: merge it now rather than lose it, and record
+        it (:attr:`merged_early`) so that a run resumed after this one passes its merge step; True when a fragment
+        was merged."""
+        job = self.in_flight
+        if job is None:
+            return False
+        self.merge_in_flight()
+        self.merged_early = (job.fragment, job.started_at)
+        return True
+
     # ------------------------------------------------------------ one exchange
 
     def exchange(self, fragment: int, step: int, snapshot: Tensor, lanes: Lanes) -> Tensor:
@@ -197,14 +224,16 @@ class StreamingSync:
 
     def state_dict(self) -> dict[str, Any]:
         """Shared state (the same on every rank): the plan, each fragment's outer state, the exchange in flight
-        with its mean (collected first: call :meth:`collect` on every rank before a checkpoint)."""
-        job = self.in_flight
+        with its mean (collected first: call :meth:`collect` on every rank before a checkpoint), the exchange
+        merged early (:attr:`merged_early`)."""
+        job, early = self.in_flight, self.merged_early
         return {
             "plan": {"period": self.plan.period, "fragments": self.plan.fragments, "delay": self.plan.delay,
                      "alpha": self.plan.alpha},
             "outer": [None if outer is None else outer.state_dict() for outer in self.outer],
             "in_flight": None if job is None else {"fragment": job.fragment, "started_at": job.started_at,
                                                    "mean": job.mean.detach().cpu()},
+            "merged_early": None if early is None else {"fragment": early[0], "started_at": early[1]},
         }
 
     def load_state_dict(self, state: Mapping[str, Any], strategy: str) -> None:
@@ -226,6 +255,8 @@ class StreamingSync:
         if job is not None:
             self.in_flight = _InFlight(job["fragment"], job["started_at"])
             self.in_flight.mean = job["mean"].to(self.device)
+        early = state.get("merged_early")  # absent from checkpoints written before it was recorded: none
+        self.merged_early = None if early is None else (early["fragment"], early["started_at"])
 
     def worker_state_dict(self) -> dict[str, Any]:
         """This rank's compressed exchanges' state, fragment by fragment (empty without compression)."""

@@ -199,9 +199,9 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def on_train_end(self) -> None:
-        if self._streaming is not None and self._streaming.in_flight is not None:
-            # fit ends between an exchange's start and its merge: merged now rather than lost
-            self._streaming.merge_in_flight()
+        # fit ends between an exchange's start and its merge: merged now rather than lost, and counted now; a run
+        # resumed from a checkpoint written after fit passes the plan's merge step (StreamingSync.merged_early)
+        if self._streaming is not None and self._streaming.merge_early():
             self._syncs += 1
         super().on_train_end()
 
@@ -236,7 +236,9 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
             self._streaming.load_worker_state_dict(state)
 
     def resized_protocol_state(self, state: Mapping[str, Any], written_by: int) -> Mapping[str, Any]:
-        """Kept: the rounds count global steps, and DiLoCo's reference and outer momentum are one model's."""
+        """Kept: the rounds count global steps, and DiLoCo's reference and outer momentum are one model's; so are
+        streaming's exchange in flight (its mean, merged into every replica) and its record of an exchange merged
+        early (every replica continues from the consensus, which holds that merge)."""
         return state
 
     def window_due(self) -> bool:

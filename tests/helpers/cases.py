@@ -55,7 +55,9 @@ def fit_digits(strategy: Any, case: dict[str, Any], out: Path, ckpt_path: Path |
     """``Trainer.fit`` of an MLP on the class-sorted digits with ``strategy`` (a recording subclass of a
     local-update strategy: ``records``), every rank's model seeded differently (the strategy must make them
     identical), ``case["trainer"]``'s Trainer arguments, a checkpoint every epoch into ``case["checkpoint_dir"]``
-    (under ``out``) if given, resumed from ``ckpt_path``; what the run recorded."""
+    (under ``out``) if given, resumed from ``ckpt_path``, and a checkpoint written after ``fit`` to
+    ``case["save_after_fit"]`` (under ``out``) if given, as a user who goes on training later would; what the run
+    recorded."""
     datamodule = DigitsDataModule(partition="class_sorted")
     torch.manual_seed(1000 + int(os.environ["RANK"]))
     model = MLPClassifier(num_features=datamodule.num_features, num_classes=datamodule.num_classes)
@@ -70,6 +72,8 @@ def fit_digits(strategy: Any, case: dict[str, Any], out: Path, ckpt_path: Path |
         callbacks=callbacks, num_sanity_val_steps=0, deterministic=True, **case["trainer"],
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    if case.get("save_after_fit"):
+        trainer.save_checkpoint(out / case["save_after_fit"])
     return {
         "start": start.start,
         "vector": strategy.model_vector.get(),

@@ -8,10 +8,16 @@ the mean of the replicas' fragment at its start step, DiLoCo's Nesterov outer st
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from helpers.launch import load_results, run_ranks
 from lightning_dist.algorithms.compression import compressed_model_mean
+from lightning_dist.algorithms.streaming import StreamingPlan
 from lightning_dist.algorithms.subset_average import chunk_bounds
+from lightning_dist.comm import Communicator
+from lightning_dist.model_vector import ModelVector
+from lightning_dist.strategies._fragment_exchange import Lanes
+from lightning_dist.strategies._streaming import StreamingSync
 
 LR, MU = 0.7, 0.9
 PERIOD, FRAGMENTS, DELAY, ALPHA = 6, 3, 1, 0.5  # stride 2: starts after steps 1, 3, 5, ...; merges after 2, 4, 6, ...
@@ -19,6 +25,12 @@ STREAM = {"period": PERIOD, "fragments": FRAGMENTS, "fragment_sync_delay": DELAY
 TRAINER = {"max_epochs": 2}  # 30 steps: digits, class-sorted over 3 ranks: 15 batches an epoch; the epoch-0 checkpoint is
 # written after step 15, with fragment 1's exchange (started after step 15) in flight
 EXACT = {**TRAINER, "precision": "64-true"}  # float64: the replay's rounding and the strategy's agree to 1e-12
+# fit ends after step 3 with fragment 0's exchange in flight (stride 4, alpha 0: fragment 0 starts after step 3 and
+# merges after step 4, fragment 1 starts after step 7 and merges after step 8), a checkpoint written after it, resumed
+ENDED = {"period": 8, "fragments": 2, "fragment_sync_delay": 1}
+ENDED_IN_FLIGHT = {"kwargs": ENDED, "trainer": {"max_steps": 3, "precision": "64-true"},
+                   "save_after_fit": "ended_in_flight.ckpt"}
+RESUMED_AFTER_FIT = {"kwargs": ENDED, "trainer": {"max_steps": 8, "precision": "64-true"}}
 CASES = [
     {"name": "stream_avg", "kwargs": STREAM, "trainer": EXACT},
     {"name": "stream_diloco_float64", "kwargs": STREAM, "outer": True, "trainer": EXACT},
@@ -49,19 +61,27 @@ CASES = [
      "memory": True},
     {"name": "memory_stream_diloco", "kwargs": {**STREAM, "fragment_sync_delay": 0}, "outer": True,
      "trainer": TRAINER, "memory": True},
+    {"name": "stream_ended_in_flight_on_three", **ENDED_IN_FLIGHT},
 ]
-RESIZED = [{"name": "stream_diloco_on_two", "kwargs": STREAM, "outer": True, "trainer": TRAINER,
-            "resume": "three/ckpt/epoch=0-*.ckpt"}]
+ON_TWO = [
+    {"name": "stream_diloco_on_two", "kwargs": STREAM, "outer": True, "trainer": TRAINER,
+     "resume": "three/ckpt/epoch=0-*.ckpt"},
+    {"name": "stream_ended_in_flight", **ENDED_IN_FLIGHT},
+    {"name": "stream_resumed_after_fit", **RESUMED_AFTER_FIT, "resume": "two/ended_in_flight.ckpt"},
+    {"name": "stream_resized_after_fit", **RESUMED_AFTER_FIT, "resume": "three/ended_in_flight.ckpt"},
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("streaming")
     run_ranks(3, "streaming", {"cases": CASES}, root / "three", timeout=400)
-    run_ranks(2, "streaming", {"cases": RESIZED}, root / "two", timeout=200)
+    run_ranks(2, "streaming", {"cases": ON_TWO}, root / "two", timeout=200)
     results = {case["name"]: load_results(root / "three" / case["name"], 3) for case in CASES}
-    results.update({case["name"]: load_results(root / "two" / case["name"], 2) for case in RESIZED})
+    results.update({case["name"]: load_results(root / "two" / case["name"], 2) for case in ON_TWO})
     results["checkpoint"] = torch.load(next((root / "three" / "ckpt").glob("epoch=0-*.ckpt")), weights_only=False)
+    for ranks in ("three", "two"):
+        results[f"after_fit/{ranks}"] = torch.load(root / ranks / "ended_in_flight.ckpt", weights_only=False)
     return results
 
 
@@ -71,10 +91,10 @@ def _ok(results):
     return results
 
 
-def _bounds(numel):
-    base, extra = divmod(numel, FRAGMENTS)
-    sizes = [base + (1 if index < extra else 0) for index in range(FRAGMENTS)]
-    starts = [sum(sizes[:index]) for index in range(FRAGMENTS)]
+def _bounds(numel, fragments=FRAGMENTS):
+    base, extra = divmod(numel, fragments)
+    sizes = [base + (1 if index < extra else 0) for index in range(fragments)]
+    starts = [sum(sizes[:index]) for index in range(fragments)]
     return [(start, start + size) for start, size in zip(starts, sizes)]
 
 
@@ -192,6 +212,88 @@ def test_resume_on_another_number_of_ranks_merges_the_exchange_in_flight_once(ru
         torch.testing.assert_close(first["after"].double(), expected, rtol=0, atol=2e-5)
     merges = sum(1 for record in results[0]["records"] if record["step"] % (PERIOD // FRAGMENTS) == 0)
     assert results[0]["comm"].syncs == 7 + merges  # 7 merged before the checkpoint, the one in flight after step 16
+
+
+@pytest.mark.parametrize("name, saved_by, ended", [
+    ("stream_resumed_after_fit", "two", "stream_ended_in_flight"),
+    ("stream_resized_after_fit", "three", "stream_ended_in_flight_on_three"),
+])
+def test_a_checkpoint_written_after_fit_ended_in_an_exchange_resumes_past_its_merge_step(runs, name, saved_by, ended):
+    """fit ended after step 3 with fragment 0's exchange in flight: merged then and counted once, and the checkpoint
+    written after fit records it. Resumed from it (on the 2 ranks that wrote it, or on 2 from 3), step 4, the plan's
+    merge step of that exchange, moves nothing (the early merge was the merge); fragment 1 starts after step 7 and
+    merges after step 8, every replica's fragment 1 then the mean of the copies taken after step 7 (alpha 0)."""
+    results = _ok(runs[name])
+    saved = runs[f"after_fit/{saved_by}"]["lightning_dist"]
+    assert saved["protocol"]["streaming"]["in_flight"] is None
+    assert saved["protocol"]["streaming"]["merged_early"] == {"fragment": 0, "started_at": 3}
+    assert saved["syncs"] == 1 and all(result["comm"].syncs == 1 for result in _ok(runs[ended]))
+    start, stop = _bounds(results[0]["start"].numel(), 2)[1]
+    steps = list(zip(*(result["records"] for result in results)))
+    assert [records[0]["step"] for records in steps] == [4, 5, 6, 7, 8]
+    mean = torch.stack([record["before"][start:stop] for record in steps[3]]).mean(0)  # the copies after step 7
+    for records in steps:
+        for record in records:
+            if record["step"] != 8:
+                assert torch.equal(record["after"], record["before"]), record["step"]
+                continue
+            expected = record["before"].clone()
+            expected[start:stop] = mean
+            torch.testing.assert_close(record["after"], expected, rtol=0, atol=1e-12)
+            assert not torch.equal(record["after"], record["before"])
+    assert all(result["protocol"]["streaming"]["merged_early"] is None for result in results)
+    assert all(result["comm"].syncs == 2 for result in results)
+
+
+@pytest.fixture
+def one_rank_world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stale", [{"fragment": 1, "started_at": 3}, {"fragment": 0, "started_at": 7}, "absent"])
+def test_an_exchange_merged_when_fit_ended_passes_its_own_merge_step_only(one_rank_world, stale):
+    """StreamingSync on one rank, plan period 8, 2 fragments, delay 1 (alpha 0: a merge sets the fragment to the copy
+    taken at its start). Fragment 0's exchange, started after step 3, merged when fit ends: recorded, saved and
+    restored; its merge step 4 then moves nothing and the plan goes on (fragment 1 started after step 7, merged after
+    step 8). Restored with another record, or none (a checkpoint written before records were kept), step 4 raises."""
+    vector = ModelVector(torch.nn.Linear(5, 4))
+    (start, middle), (_, stop) = StreamingPlan(8, 2).fragment_bounds(vector.numel)
+
+    def streaming():
+        return StreamingSync(StreamingPlan(8, 2, 1), vector, Lanes(Communicator(), None), None, None, None, None,
+                             lambda ranks, step: None)
+
+    def train():
+        vector.set(vector.get() + 1)
+
+    ended = streaming()
+    assert [ended.after_step(step) for step in (1, 2, 3)] == [False] * 3
+    copy = vector.get()
+    train()
+    assert ended.merge_early() and not ended.merge_early()
+    assert torch.equal(vector.get()[start:middle], copy[start:middle])
+    state = ended.state_dict()
+    assert state["in_flight"] is None and state["merged_early"] == {"fragment": 0, "started_at": 3}
+
+    resumed = streaming()
+    resumed.load_state_dict(state, "PeriodicAveragingStrategy")
+    train()
+    before = vector.get()
+    assert not resumed.after_step(4) and torch.equal(vector.get(), before)
+    assert resumed.state_dict()["merged_early"] is None
+    assert [resumed.after_step(step) for step in (5, 6, 7)] == [False] * 3 and resumed.in_flight.fragment == 1
+    copy = vector.get()
+    train()
+    assert resumed.after_step(8) and torch.equal(vector.get()[middle:stop], copy[middle:stop])
+
+    inconsistent = streaming()
+    saved = {key: value for key, value in state.items() if key != "merged_early"}
+    inconsistent.load_state_dict(saved if stale == "absent" else {**saved, "merged_early": stale},
+                                 "PeriodicAveragingStrategy")
+    with pytest.raises(RuntimeError, match="fragment 0 is due to merge after step 4, but nothing is in flight"):
+        inconsistent.after_step(4)
 
 
 def test_a_non_finite_replica_or_a_missing_rank_stops_every_rank_by_name_during_an_exchange_in_flight(tmp_path):

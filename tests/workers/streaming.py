@@ -2,12 +2,13 @@
 
 Usage: torchrun --nproc_per_node=N streaming.py spec.json (see tests/helpers/launch.py). Spec keys: ``cases``,
 run in order as separate ``Trainer.fit`` calls in the same processes, each ``{"name", "kwargs", "trainer",
-"outer"?, "engine"?, "checkpoint_dir"?, "resume"?, "memory"?, "bucket"?}`` (``kwargs`` of ``PeriodicAveragingStrategy``;
-``outer``: DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9; ``resume``: a glob, relative to ``out``, of a checkpoint an
-earlier case or launch wrote; ``memory``: record the allocator's peak of bytes allocated by the protocol after every
-step; ``bucket``: ``AVERAGE_BUCKET`` for the case (averaging's and DiLoCo's outer step's)); ``out``. Each case writes ``<out>/<name>/rank<r>.pt``:
-its error, or the start vector, this rank's vector before and after the protocol at every step (and its peak), the
-final vector, the protocol state and the counters.
+"outer"?, "engine"?, "checkpoint_dir"?, "save_after_fit"?, "resume"?, "memory"?, "bucket"?}`` (``kwargs`` of
+``PeriodicAveragingStrategy``; ``outer``: DiLoCo's Nesterov SGD, lr 0.7, momentum 0.9; ``save_after_fit``: the file
+name, under ``out``, of a checkpoint written after ``fit``; ``resume``: a glob, relative to ``out``'s parent, of a
+checkpoint an earlier case or launch wrote; ``memory``: record the allocator's peak of bytes allocated by the
+protocol after every step; ``bucket``: ``AVERAGE_BUCKET`` for the case (averaging's and DiLoCo's outer step's));
+``out``. Each case writes ``<out>/<name>/rank<r>.pt``: its error, or the start vector, this rank's vector before and
+after the protocol at every step (and its peak), the final vector, the protocol state and the counters.
 """
 
 import functools
