@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -48,6 +49,7 @@ from benchmarks.common import netns
 from benchmarks.common.launch import worker_env
 from benchmarks.common.paths import BENCHMARKS, REPO, RESULTS
 from benchmarks.common.report import command_line, one_figure, publish, pyplot, replot, save_figure
+from lightning_dist.comm.peer_state import SECRET_ENV
 from benchmarks.language_model.network import DILOCO_OUTER, DILOCO_PERIOD, EVAL_SEQUENCES, HEADLINE_MBIT, TASK
 
 PREFIX = "ft_failure"
@@ -83,7 +85,7 @@ def launch_way(network: netns.Network, way: str, seed: int, kill: dict[str, int]
             "tolerant": way != "torchrun_restart"}
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    env = worker_env()
+    env = {**worker_env(), SECRET_ENV: secrets.token_hex(16)}  # the launch's groups share one secret
     if way == "torchrun_restart":
         # torchrun's agents share their rendezvous store with the workers by default, and a restart round then
         # mixes attempts (each agent counts its own restarts): workers read a previous round's addresses

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 from benchmarks.common.launch import free_port, worker_env
 from benchmarks.common.paths import BENCHMARKS, RESULTS
 from benchmarks.common.report import command_line, one_figure, publish, pyplot, replot, save_figure
+from lightning_dist.comm.peer_state import SECRET_ENV
 
 PREFIX = "ft_overhead"
 WORKER = BENCHMARKS / "fault_tolerance" / "worker.py"
@@ -41,13 +43,14 @@ SEEDS = (0, 1, 2)
 PERIOD = 10
 MAX_STEPS = 60
 GROUPS = 2
+RUN_SECRET = secrets.token_hex(16)  # every group's LIGHTNING_DIST_FT_SECRET in this benchmark's launches
 
 
 def torchrun(nproc: int, spec_path: Path, *extra: str, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(spec_path), *extra]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env(),
-                            start_new_session=True)
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**worker_env(), SECRET_ENV: RUN_SECRET}, start_new_session=True)
 
 
 def run_seed(seed: int, work: Path) -> dict[str, Any]:

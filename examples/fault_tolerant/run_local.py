@@ -7,7 +7,7 @@
 
 What a user runs by hand, in one script: the Lighthouse (``torchft_lighthouse``, installed with torchft), then one
 torchrun job per replica group (``--groups``, each ``--nproc-per-node`` ranks), each with its own
-``--master-port``, ``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE``, running ``lightning-dist fit --config CONFIG``
+``--master-port``, ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE`` and the run's ``LIGHTNING_DIST_FT_SECRET``, running ``lightning-dist fit --config CONFIG``
 (``examples/fault_tolerant/diloco.yaml`` by default: DiLoCo on MNIST-1D with ``fault_tolerance`` set). With
 ``--kill-group G`` the job of group G is SIGKILLed with its processes ``--kill-after`` seconds after every group has
 logged its first window; with ``--restart`` it is started again at once and rejoins with the others' live state.
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # benchmarks.common.process
 from benchmarks.common.process import kill_tree  # noqa: E402  (torchrun's workers live in sessions of their own)
+from lightning_dist.comm.peer_state import SECRET_ENV  # noqa: E402
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "diloco.yaml"
 QUORUM = re.compile(r"lightning_dist: quorum (\S+): (\d+) replica group\(s\), (\d+) contributing")
 
@@ -65,7 +68,7 @@ def group_job(group: int, args: argparse.Namespace, lighthouse_port: int, tag: s
     """One replica group: its own torchrun job (its own store), in its own process group (killed together)."""
     workdir = Path(args.workdir)
     env = {**os.environ, "REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lighthouse_port}",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", SECRET_ENV: args.secret}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}", "--nnodes=1",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "lightning_dist.cli", "fit",
                "--config", str(args.config), f"--trainer.default_root_dir={workdir / f'group{group}'}",
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--restart", action="store_true")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--secret", default=os.environ.get(SECRET_ENV) or secrets.token_hex(16),
+                        help=f"the run's shared secret (default: {SECRET_ENV}, else a new one for this run)")
     parser.add_argument("overrides", nargs="*",
                         help="after --: lightning-dist fit arguments for every job, e.g. -- --trainer.max_steps=20000")
     args = parser.parse_args(argv)

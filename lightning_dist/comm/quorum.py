@@ -27,9 +27,12 @@ them, and :meth:`QuorumCommunicator.commit` decides.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
+import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,14 +47,74 @@ from lightning_dist.comm.stats import CommStats
 log = logging.getLogger(__name__)
 
 
+def lighthouse_endpoint(url: str, source: str) -> tuple[str, int]:
+    """The Lighthouse's ``(host, port)`` from ``http://host:port`` (an IPv6 host in brackets), or a ValueError
+    naming ``source`` (where the address came from) and what is wrong: torchft's client takes nothing else."""
+    expected = "http://host:port (an IPv6 host in brackets: http://[::1]:29510)"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as error:
+        raise ValueError(f"{source} must be {expected}; got {url!r} ({error})") from None
+    if parts.scheme != "http" or not parts.hostname or port is None:
+        raise ValueError(f"{source} must be {expected} with its port; got {url!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"{source} must be {expected}, nothing after the port; got {url!r}")
+    return parts.hostname, port
+
+
+def resolve(host: str, port: int, what: str) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo`` for a TCP connection to ``host:port``, or a ValueError naming ``what`` and why."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ValueError(f"cannot resolve {what} ({host}:{port}): {error.strerror}") from None
+
+
 def reaching_address(url: str) -> str:
-    """This host's address on the route to ``url``'s host (``http://host:port``): where the other groups reach it
-    (``socket.gethostname()``, torchft's default, can name a host only this machine resolves)."""
-    host_port = url.split("://", 1)[-1].rstrip("/")
-    host, _, port = host_port.rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host.strip("[]") or host_port, int(port or 80)))  # UDP: nothing is sent
+    """This host's address on the route to ``url``'s host (``http://host:port``, IPv4 or IPv6): where the other
+    groups reach it (``socket.gethostname()``, torchft's default, can name a host only this machine resolves)."""
+    host, port = lighthouse_endpoint(url, "the Lighthouse's address")
+    family, _, _, _, address = resolve(host, port, f"the Lighthouse's host {host!r}")[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # UDP: nothing is sent
         return probe.getsockname()[0]
+
+
+def wait_for_lighthouse(url: str, timeout: timedelta) -> None:
+    """Return once the Lighthouse at ``url`` accepts a TCP connection; a ConnectionError naming it after
+    ``timeout`` (a job started just before its Lighthouse waits for it; one whose Lighthouse is not there fails
+    here, before training, instead of inside torchft's first quorum)."""
+    host, port = lighthouse_endpoint(url, "the Lighthouse's address")
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, timeout.total_seconds())):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"fault_tolerance: no torchft Lighthouse answers at {url} after {timeout.total_seconds():g} s "
+                    f"({error}); start it first (torchft_lighthouse --min_replicas 1 ...) or fix "
+                    f"TorchFT(lighthouse=...) / TORCHFT_LIGHTHOUSE") from None
+        time.sleep(0.2)
+
+
+def check_bind_address(address: str) -> str:
+    """``address`` if it is an IP address of this host (a server can bind to it), else a ValueError naming
+    ``bind_address``."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        raise ValueError(f"bind_address must be an IP address of this host (e.g. 10.0.0.5 or fd00::5); "
+                         f"got {address!r}") from None
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError as error:
+            raise ValueError(f"bind_address {address!r} is not an address of this host: {error.strerror}") from None
+    return address
 
 
 @dataclass(frozen=True)
@@ -73,16 +136,20 @@ class QuorumCommunicator:
         counted_by: the strategy's communicator, whose counters these bytes go into (level ``inter_node``).
         timeout: named in failures.
         group: this rank's replica group, of ``groups``.
+        run_tag: this run's tag, an integer below ``2**40`` the same in every group of the run and unlikely in
+            another (from the run's secret): groups of two runs that share a Lighthouse meet in one quorum, and
+            the tag tells them apart.
     """
 
     level = "inter_node"
 
     def __init__(self, make_manager: Callable[..., Any], counted_by: Any, timeout: timedelta, group: int,
-                 groups: int) -> None:
+                 groups: int, run_tag: int) -> None:
         self.manager = make_manager(on_receive=self.receiving)
         self._counted_by = counted_by
         self.timeout = timeout
         self.group, self.groups = group, groups
+        self.run_tag = run_tag
         self.rank = 0
         self.world_size = 1
         self.contributors = 0
@@ -131,16 +198,24 @@ class QuorumCommunicator:
         training after its torchrun agent was killed: torchrun starts workers in sessions of their own, so killing
         the agent's process group spares them), and both copies' data would weigh twice in the mean. Each copy
         then raises, naming its group; the other groups discard the window and go on without it.
+
+        The same all-reduce checks two things every group must hold first, and raises naming them: that torchft's
+        all-reduce sums (the groups' presence flags add up to the quorum's size), and that every group in the
+        quorum is of this run (the run tags add up to the quorum's size times this run's).
         """
         self.rank = self.manager.participating_rank() or 0
-        self.world_size = max(self.manager.num_participants(), 1)
+        participants = self.manager.num_participants()
+        self.world_size = max(participants, 1)
         groups = self.groups
-        flags = torch.zeros(2 * groups + 1, dtype=torch.float64, device=device)
+        flags = torch.zeros(2 * groups + 2, dtype=torch.float64, device=device)
         flags[self.group] = 1.0
         flags[groups + self.group] = self.rank + 1.0 if contributes else 0.0
         flags[2 * groups] = float(contributes and vote)
+        flags[2 * groups + 1] = float(self.run_tag)
         total = self.all_reduce_sum_(flags, "protocol")
         failed = self.manager.errored() is not None
+        if not failed:
+            self._check_quorum(float(total[:groups].sum()), float(total[2 * groups + 1]), participants)
         self.voted = vote if failed else float(total[2 * groups]) > 0.5
         twice = [] if failed else [group for group in range(groups) if float(total[group]) > 1.5]
         if self.group in twice:
@@ -156,6 +231,19 @@ class QuorumCommunicator:
             self.on_membership(self.membership, membership)
         self.membership = membership
         return contributors
+
+    def _check_quorum(self, present: float, tags: float, participants: int) -> None:
+        """Raise unless the quorum's ``participants`` groups summed their presence flags to ``present ==
+        participants`` and their run tags to ``tags == participants * run_tag`` (exact: integers below 2**53)."""
+        if round(present) != participants:
+            raise RuntimeError(
+                f"torchft's all-reduce of {participants} replica groups' presence flags gave {present:g}, not their "
+                f"sum: this torchft release does not sum (fault_tolerance is built on torchft 0.2.0)")
+        if tags != participants * float(self.run_tag):
+            raise RuntimeError(
+                f"replica group {self.group} met replica groups of another run in its quorum ({participants} groups, "
+                f"not all with this run's secret): two runs share one Lighthouse. Give each run its own Lighthouse, "
+                f"or the same LIGHTNING_DIST_FT_SECRET to every group of one run")
 
     def all_reduce_sum_(self, tensor: Tensor, purpose: str) -> Tensor:
         """Sum ``tensor`` over the quorum's groups in place (garbage if the exchange failed: see :meth:`commit`).
@@ -220,31 +308,23 @@ class QuorumCommunicator:
 def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, lighthouse: str,
                     min_replicas: int, timeout: timedelta, quorum_timeout: timedelta,
                     state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
-                    on_receive: Callable[[], None]) -> Any:
+                    on_receive: Callable[[], None], secret: bytes, bind_address: str | None) -> Any:
     """A torchft ``Manager`` for this rank of its replica group: torchft's reconfigurable Gloo group between
     groups, its servers and the group's own store (torchrun's, at ``MASTER_PORT``) advertised at this host's
     address on the route to the Lighthouse, synchronous quorums, and ``state_dict``/``load_state_dict`` as what a
-    behind group receives (``on_receive`` called as its transfer starts).
+    behind group receives (``on_receive`` called as its transfer starts), sent over
+    :class:`~lightning_dist.comm.peer_state.AuthenticatedStateTransport` with the run's ``secret``, served at
+    ``bind_address`` (None: the address on the route to the Lighthouse) and nowhere else.
 
     No ``init_sync``: torchft would then heal every group but one at step 0, and it picks the source per local rank
     (local rank ``j`` from the ``j``-th group), so a group's ranks would start from different groups' models. The
     first window averages the groups' start models instead (equal when every group seeds its model alike)."""
     # torchft is an optional extra (``lightning-dist[torchft]``): imported only when the option is used.
     from torchft import Manager, ProcessGroupGloo
-    from torchft.checkpointing import HTTPTransport
+
+    from lightning_dist.comm.peer_state import AuthenticatedStateTransport
 
     host = reaching_address(lighthouse)
-
-    class ReachableHTTPTransport(HTTPTransport):
-        """torchft's HTTP checkpoint transport, advertised at ``host`` (torchft's names ``socket.gethostname()``)."""
-
-        def address(self) -> str:
-            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-        def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-            on_receive()
-            return super().recv_checkpoint(*args, **kwargs)
-
     return Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout,
@@ -254,5 +334,5 @@ def torchft_manager(*, group_rank: int, group_world_size: int, replica_id: str, 
         # every interface, so this host's reachable address names it for the group's own ranks as well.
         store_addr=host, store_port=int(os.environ["MASTER_PORT"]),
         lighthouse_addr=lighthouse, replica_id=replica_id, hostname=host, init_sync=False,
-        checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0),
+        checkpoint_transport=AuthenticatedStateTransport(bind_address or host, secret, timeout, on_receive),
     )

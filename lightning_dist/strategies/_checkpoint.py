@@ -49,6 +49,29 @@ def unpack_replica(payload: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
 
 
+def rng_states(device: torch.device) -> dict[str, Any]:
+    """This process's random number generators (torch's, ``device``'s CUDA one, Python's, NumPy's) as tensors and
+    plain values (what ``torch.load(weights_only=True)`` reads back)."""
+    numpy_state = np.random.get_state()
+    return {
+        "torch_rng": torch.get_rng_state(),
+        # This rank's GPU only: get_rng_state_all() would start a CUDA context on every visible GPU.
+        "cuda_rng": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else [],
+        "python_rng": random.getstate(),
+        "numpy_rng": {"keys": torch.from_numpy(numpy_state[1].astype(np.int64)), "rest": list(numpy_state[2:])},
+    }
+
+
+def restore_rng_states(states: Mapping[str, Any], device: torch.device) -> None:
+    """Set the generators :func:`rng_states` read."""
+    torch.set_rng_state(states["torch_rng"])
+    if states["cuda_rng"]:
+        (cuda_rng,) = states["cuda_rng"]
+        torch.cuda.set_rng_state(cuda_rng, device)
+    random.setstate(states["python_rng"])
+    np.random.set_state(("MT19937", states["numpy_rng"]["keys"].numpy().astype(np.uint32), *states["numpy_rng"]["rest"]))
+
+
 class ReplicaCheckpoints:
     """Save and restore every rank's replica: mixed into ``LocalUpdateStrategy`` ahead of ``DDPStrategy``.
 
@@ -95,7 +118,6 @@ class ReplicaCheckpoints:
         onto ``cuda:k`` there (a CUDA context and memory on another rank's GPU, an error where rank
         0 has fewer GPUs). Each rank moves its own state back to its device when it resumes.
         """
-        numpy_state = np.random.get_state()
         return {
             "vector": (self._evaluation_stash if self._evaluation_stash is not None else self.model_vector.get()).cpu(),
             "optimizers": [apply_to_collection(optimizer.state_dict(), Tensor, Tensor.cpu) for optimizer in self.optimizers],
@@ -103,11 +125,7 @@ class ReplicaCheckpoints:
             "comm": self.comm.stats.state_dict(),
             "worker": apply_to_collection(self.worker_state_dict(), Tensor, Tensor.cpu),
             "compression": apply_to_collection(self.compression_state_dict(), Tensor, Tensor.cpu),
-            "torch_rng": torch.get_rng_state(),
-            # This rank's GPU only: get_rng_state_all() would start a CUDA context on every visible GPU.
-            "cuda_rng": [torch.cuda.get_rng_state(self.root_device)] if self.root_device.type == "cuda" else [],
-            "python_rng": random.getstate(),
-            "numpy_rng": {"keys": torch.from_numpy(numpy_state[1].astype(np.int64)), "rest": list(numpy_state[2:])},
+            **rng_states(self.root_device),
         }
 
     def _gather_replicas(self) -> list[dict[str, Any]] | None:
@@ -150,12 +168,7 @@ class ReplicaCheckpoints:
             self.load_worker_state_dict(self.resized_worker_state(workers, written_by))
         self._resume_compression(replica.get("compression") if in_place else None, consensus)
         self._generator.set_state(state["generator"])
-        torch.set_rng_state(replica["torch_rng"])
-        if replica["cuda_rng"]:
-            (cuda_rng,) = replica["cuda_rng"]
-            torch.cuda.set_rng_state(cuda_rng, self.root_device)
-        random.setstate(replica["python_rng"])
-        np.random.set_state(("MT19937", replica["numpy_rng"]["keys"].numpy().astype(np.uint32), *replica["numpy_rng"]["rest"]))
+        restore_rng_states(replica, self.root_device)
 
     def learner_groups(self) -> list[list[int]]:
         """This run's learners as lists of global ranks (:func:`~lightning_dist.strategies._resize.learner_groups`)."""

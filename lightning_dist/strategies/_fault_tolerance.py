@@ -36,9 +36,12 @@ average, as without the option (under FedAvg, the group's own committed model).
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
+import hmac
+import importlib.metadata
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -57,8 +60,22 @@ from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.comm import Communicator, new_group
 from lightning_dist.comm.communicator import HOST
 from lightning_dist.comm.nodes import NodeLayout
-from lightning_dist.comm.quorum import QuorumCommunicator, torchft_manager
-from lightning_dist.strategies._checkpoint import pack_replica, unpack_replica
+from lightning_dist.comm.quorum import (
+    QuorumCommunicator,
+    check_bind_address,
+    lighthouse_endpoint,
+    resolve,
+    torchft_manager,
+    wait_for_lighthouse,
+)
+from lightning_dist.data.resume import start_at_batch
+from lightning_dist.strategies._checkpoint import (
+    CHECKPOINT_KEY,
+    pack_replica,
+    restore_rng_states,
+    rng_states,
+    unpack_replica,
+)
 from lightning_dist.strategies._fragment_exchange import Lanes
 from lightning_dist.strategies._hierarchy import NodeHierarchy
 from lightning_dist.strategies._outer import OUTER_KEY
@@ -73,6 +90,25 @@ FAULT_TOLERANCE_KEY = "fault_tolerance"
 """Where the option's state sits in ``protocol_state_dict``."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """The environment variable with the Lighthouse's address when ``TorchFT(lighthouse=None)`` (torchft's)."""
+JOIN_RETRY_S = 1.0
+"""How long a group whose join at set-up did not hold waits before it asks for the next quorum."""
+TORCHFT_VERSION = "0.2.0"
+"""The torchft release the option is built on and tested with. It relies on what other releases change: its
+``Manager``'s private ``_pg`` and ``_quorum_id``, a step set back to have a group healed, and ``allreduce(SUM)``
+summing (some releases divide by the number of groups)."""
+
+
+def check_torchft_version() -> None:
+    """A ValueError unless torchft :data:`TORCHFT_VERSION` is installed, naming what is."""
+    try:
+        installed = importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"fault_tolerance needs torchft: pip install 'lightning-dist[torchft]' "
+                         f"(torchft=={TORCHFT_VERSION})") from None
+    if installed != TORCHFT_VERSION:
+        raise ValueError(f"fault_tolerance is built on torchft {TORCHFT_VERSION} (its Manager's internals and "
+                         f"all-reduce semantics differ between releases); installed: torchft {installed}. "
+                         f"pip install torchft=={TORCHFT_VERSION}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +126,17 @@ class TorchFT:
         timeout: how long one exchange, commit or recovery may take before it counts as failed.
         quorum_timeout: how long a group waits for a quorum. A restarted group waits there for the others to end
             their window, so this must exceed a window's length. Default 30 minutes.
+        max_retries: how many windows in a row a group may discard during training (each rolled back to the last
+            committed model) before its job fails, naming the last window's reason; ``>= 0``, default 10. A join at
+            set-up is retried until ``quorum_timeout`` instead (it waits for the others' window to end).
+        bind_address: the address this group serves its state from, to a group that is behind (one of this host's
+            addresses; the server listens there only). None (default): this host's address on the route to the
+            Lighthouse.
+
+    Every group of a run needs the same secret, in ``LIGHTNING_DIST_FT_SECRET`` or the file named by
+    ``LIGHTNING_DIST_FT_SECRET_FILE`` (:mod:`lightning_dist.comm.peer_state`): a peer's state is sent only to a
+    group that proves it holds it, and loaded only if it carries the sender's proof and holds nothing but tensors
+    and plain values.
     """
 
     num_replica_groups: int
@@ -98,10 +145,11 @@ class TorchFT:
     lighthouse: str | None = None
     timeout: timedelta = field(default=timedelta(seconds=60))
     quorum_timeout: timedelta = field(default=timedelta(minutes=30))
+    max_retries: int = 10
+    bind_address: str | None = None
 
     def __post_init__(self) -> None:
-        if importlib.util.find_spec("torchft") is None:
-            raise ValueError("fault_tolerance needs torchft: pip install 'lightning-dist[torchft]' (torchft==0.2.0)")
+        check_torchft_version()
         check_count("num_replica_groups", self.num_replica_groups, 1, meaning=" (torchrun jobs synchronized by torchft)")
         check_count("min_replicas", self.min_replicas, 1, self.num_replica_groups,
                     " (the fewest replica groups a window may commit with)")
@@ -111,6 +159,12 @@ class TorchFT:
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value.total_seconds() <= 0:
                 raise ValueError(f"{name} must be a positive datetime.timedelta; got {value!r}")
+        check_count("max_retries", self.max_retries, 0,
+                    meaning=" (windows in a row a group may discard before its job fails)")
+        if self.lighthouse is not None:
+            lighthouse_endpoint(self.lighthouse, "TorchFT(lighthouse=...)")
+        if self.bind_address is not None:
+            check_bind_address(self.bind_address)
 
     def group(self) -> int:
         """This job's replica group: ``replica_group``, else ``REPLICA_GROUP_ID``, checked against the range."""
@@ -125,12 +179,31 @@ class TorchFT:
         return check_count(REPLICA_GROUP_ENV, int(value), 0, self.num_replica_groups - 1)
 
     def lighthouse_address(self) -> str:
-        """``lighthouse``, else ``TORCHFT_LIGHTHOUSE``."""
+        """``lighthouse``, else ``TORCHFT_LIGHTHOUSE``, checked (:func:`lighthouse_endpoint`)."""
+        source = "TorchFT(lighthouse=...)" if self.lighthouse else LIGHTHOUSE_ENV
         address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not address:
             raise ValueError(f"fault_tolerance needs the Lighthouse's address: pass TorchFT(lighthouse=...) or set "
                              f"{LIGHTHOUSE_ENV} (http://host:port)")
+        lighthouse_endpoint(address, source)
         return address
+
+    def check_environment(self) -> None:
+        """Before training, every setting a job reads from its environment: its group, the Lighthouse's address
+        (resolved), the run's secret; each error names the setting."""
+        from lightning_dist.comm.peer_state import run_secret  # torchft's transport: imported with the option only
+
+        self.group()
+        host, port = lighthouse_endpoint(self.lighthouse_address(), "the Lighthouse's address")
+        resolve(host, port, f"the Lighthouse's host {host!r}")
+        run_secret()
+
+
+def run_tag(secret: bytes) -> int:
+    """The run's tag (:class:`~lightning_dist.comm.quorum.QuorumCommunicator`'s ``run_tag``, and part of every
+    group's torchft replica id): 40 bits of an HMAC of a fixed message under the run's secret, so every group of a
+    run has it and another run's groups almost surely not, and it says nothing of the secret."""
+    return int.from_bytes(hmac.new(secret, b"lightning_dist run tag", hashlib.sha256).digest()[:5], "big")
 
 
 def lightning_training_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -188,6 +261,7 @@ class ReplicaGroups:
                 f"fault_tolerance with hierarchy=None makes every rank a replica group, its own job of one process; "
                 f"got devices={self.num_processes} (use hierarchy='node' for DDP among a group's ranks)"
             )
+        self.fault_tolerance.check_environment()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -205,44 +279,101 @@ class ReplicaGroups:
         option = self.fault_tolerance
         assert option is not None
         group = option.group()
+        wait_for_lighthouse(option.lighthouse_address(), option.timeout)
         layout = NodeLayout((tuple(range(self.comm.world_size)),))
         node = Communicator(new_group(backend=self._get_process_group_backend(), timeout=self._timeout),
                             "intra_node", counted_by=self.comm)
+        from lightning_dist.comm.peer_state import run_secret
+
+        secret = run_secret()
+        tag = run_tag(secret)
         make_manager = partial(
             torchft_manager, group_rank=self.comm.rank, group_world_size=self.comm.world_size,
-            replica_id=f"lightning_dist_{group}", lighthouse=option.lighthouse_address(),
+            replica_id=f"lightning_dist_{tag:010x}_{group}", lighthouse=option.lighthouse_address(),
             min_replicas=option.min_replicas, timeout=option.timeout, quorum_timeout=option.quorum_timeout,
-            state_dict=self.recovery_state, load_state_dict=self.load_recovery_state)
+            state_dict=self.recovery_state, load_state_dict=self.load_recovery_state, secret=secret,
+            bind_address=option.bind_address)
         return NodeHierarchy(layout, node, QuorumCommunicator(make_manager, self.comm, option.timeout, group,
-                                                             option.num_replica_groups))
+                                                             option.num_replica_groups, tag))
 
     def join_replica_groups(self) -> None:
         """The first window, at set-up: every group meets the others (a fresh run: the mean of the groups' start
         models; a restarted group: the live state of a peer once the others end their window). A group joining a run
         in progress has Lightning restore the peer's loops, schedulers and optimizer state after set-up, as from a
-        checkpoint (not read from disk).
+        checkpoint, and wins over a ``ckpt_path`` file (:meth:`load_checkpoint`).
 
-        A join whose window is discarded (another group lost inside it, or the peer's state never arrived) is tried
-        again at the others' next window before training starts: only at set-up can Lightning take a peer's loops,
-        and a group that trained on from its own would count its steps from zero, ending its ``fit`` after the
-        others. Whether torchft tried to heal the group (``behind``) decides, not whether the state arrived."""
+        The join holds only if this group was healed from a peer, or if every group of the run took part (a fresh
+        start, or every group resumed from its own file). Otherwise it is tried again at the next quorum, before
+        training starts: groups restarted together form a quorum of their own while the live ones are inside a
+        window, and committing there would have them train from their start models and count their steps from
+        zero. A join whose window is discarded (another group lost inside it, or the peer's state never arrived) is
+        tried again likewise: only at set-up can Lightning take a peer's loops. Tries end after ``quorum_timeout``."""
         assert self._hierarchy is not None
         assert self._buckets is not None  # made at set-up: the job always has a hierarchy
+        option = self.fault_tolerance
+        assert option is not None
         self._windows = FaultTolerantWindows(self.model_vector, Lanes(self.comm, self._hierarchy), self._buckets, HOST,
                                              lambda: self.raise_unless_finite(self.model_vector.all_finite()),
-                                             self.group_any)
-        committed = self.end_window("setup")
-        # Committed is the same on every rank of the job (should_commit), and so is any rank's being behind.
-        while not committed and self.group_any(self._windows.quorum.behind):
-            log.warning("lightning_dist: replica group %d: its join was discarded; joining at the next window",
-                        self._windows.quorum.group)
-            self._windows.quorum.fall_behind()
-            committed = self.end_window("setup")
+                                             self.group_any, option.max_retries)
+        self._peer_checkpoint = None
+        self._resume_data_position = False
+        deadline = time.monotonic() + option.quorum_timeout.total_seconds()
+        quorum = self._windows.quorum
+        tries = 0
+        # Every input below is the same on every rank of the job: should_commit's answer, the quorum's groups, and
+        # whether any rank was healed (group_any in the window).
+        while not (self.end_window("setup") and (quorum.healed or quorum.membership.groups == option.num_replica_groups)):
+            reason = ("its window was discarded" if not self._windows.last_committed else
+                      f"only {quorum.membership.groups} of {option.num_replica_groups} groups met and none was ahead")
+            if self.group_any(time.monotonic() > deadline):
+                raise RuntimeError(f"replica group {quorum.group} could not join the run within quorum_timeout "
+                                   f"({option.quorum_timeout}): {reason} (a fresh run starts with every group; a "
+                                   f"restarted group joins a live one)")
+            if tries % 60 == 0:  # the first, then about once a minute
+                log.warning("lightning_dist: replica group %d: its join did not hold (%s); joining at the next window",
+                            quorum.group, reason)
+            tries += 1
+            quorum.fall_behind()
+            # The groups that met will meet again at once (torchft's fast quorum): wait for the others' window.
+            time.sleep(JOIN_RETRY_S)
         joined, self._joined = self._joined, None
-        if committed and joined is not None and joined["training"] is not None and joined["training"]["global_step"] > 0:
-            trainer = self.lightning_module.trainer
-            trainer._checkpoint_connector._loaded_checkpoint = joined_checkpoint(
-                trainer, joined["training"], joined["optimizers"])
+        if quorum.healed and joined is not None:
+            self._syncs += 1  # the window it joined in, which the peer counts once it has ended it
+            if joined["training"] is not None and joined["training"]["global_step"] > 0:
+                trainer = self.lightning_module.trainer
+                self._peer_checkpoint = joined_checkpoint(trainer, joined["training"], joined["optimizers"])
+                trainer._checkpoint_connector._loaded_checkpoint = self._peer_checkpoint
+                self._resume_data_position = True
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, except for a group that joined a run in progress at this ``fit``'s set-up: its peer's live
+        state is newer than any file it was started with (``fit(ckpt_path=...)``, e.g. the ``last`` of a restarted
+        job), so the peer's model, optimizer, loops and schedulers win; the file gives the rest (callbacks'
+        state, the data module's), its replicas and protocol state are dropped."""
+        saved = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        peer, self._peer_checkpoint = self._peer_checkpoint, None
+        if peer is None:
+            return saved
+        log.warning("lightning_dist: replica group %d joined a run in progress: its peer's state (step %d) wins over "
+                    "%s (step %s)", self.fault_tolerance.group(), peer["global_step"], checkpoint_path,
+                    saved.get("global_step"))
+        return {**{key: value for key, value in saved.items() if key != CHECKPOINT_KEY}, **peer}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Lightning's, and for a group that joined a run in progress the train loader starts at the peer's batch
+        of the epoch (:func:`~lightning_dist.data.resume.start_at_batch`): Lightning restores the peer's count
+        but would read the group's shard from the epoch's start, its first batches twice and its last never."""
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = self.lightning_module.trainer
+        if not (self._resume_data_position and trainer.training):
+            return dataloader
+        self._resume_data_position = False
+        batch = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        if not start_at_batch(dataloader, batch):
+            log.warning("lightning_dist: replica group %d joined at batch %d of epoch %d, but its train loader "
+                        "batches without torch's BatchSampler: it reads its shard from the epoch's start",
+                        self.fault_tolerance.group(), batch, trainer.current_epoch)
+        return dataloader
 
     def window_due(self) -> bool:
         """Whether this rank's window has ended and not yet been synchronized (the same on every rank: a count of
@@ -320,7 +451,7 @@ class ReplicaGroups:
         trainer = self.lightning_module.trainer
         protocol = reference_as_committed(self.protocol_state_dict(), self.model_vector.num_parameters)
         state = on_host({"protocol": protocol, "generator": self._generator.get_state(),
-                         "local_steps": self._local_steps, "syncs": self._syncs,
+                         "rng": rng_states(self.root_device), "local_steps": self._local_steps, "syncs": self._syncs,
                          "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
                          "training": lightning_training_state(trainer) if self.optimizers else None})
         num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(state))
@@ -335,6 +466,7 @@ class ReplicaGroups:
         self.load_protocol_state_dict(reference_from_committed(state["protocol"], self.model_vector.num_parameters))
         self._local_steps, self._syncs = state["local_steps"], state["syncs"]
         self._generator.set_state(state["generator"])  # FedAvg's draws, the same in every group
+        restore_rng_states(state["rng"], self.root_device)  # dropout and the like, as the peer's (groups seed alike)
         if self.optimizers:
             for optimizer, saved in zip(self.optimizers, state["optimizers"]):
                 optimizer.load_state_dict(saved)

@@ -39,10 +39,12 @@ class FaultTolerantWindows:
             finite (a group never sends a non-finite model; the error stops it, and the others go on without it).
         group_any: a collective inside the group: whether any of its ranks' flags is true. torchft heals each
             local rank on its own (from the group its local rank maps to); the group contributes only if none was.
+        max_retries: how many windows in a row may be discarded during training before the job fails (a join at
+            set-up is not counted: it waits for the others).
     """
 
     def __init__(self, vector: ModelVector, lanes: Lanes, buckets: list[FragmentExchange], anchor_device: torch.device,
-                 check_finite: Callable[[], None], group_any: Callable[[bool], bool]) -> None:
+                 check_finite: Callable[[], None], group_any: Callable[[bool], bool], max_retries: int) -> None:
         assert lanes.hierarchy is not None and isinstance(lanes.hierarchy.inter_node, QuorumCommunicator)
         self.vector = vector
         self.lanes = lanes
@@ -62,6 +64,9 @@ class FaultTolerantWindows:
         self.anchor = vector.get().to(anchor_device, copy=True)
         self.commits = 0
         self.discarded = 0
+        self.max_retries = max_retries
+        self.discarded_in_a_row = 0  # during training
+        self.last_committed = False
         self.unshown = False
         self.quorum.on_membership = self._log_membership
 
@@ -77,8 +82,9 @@ class FaultTolerantWindows:
             self.check_finite()
         else:  # its replica is the committed model it received (a FedAvg round may leave it out)
             self.vector.set(self.anchor)
-        contributors = self.quorum.count_contributors(contributes, self.anchor.device,
-                                                      vote=select is not None and purpose == "protocol")
+        self.quorum.count_contributors(contributes, self.anchor.device,
+                                       vote=select is not None and purpose == "protocol")
+        contributors = self._agree_on_the_quorum()
         self.averaged = None
         members = self._members(select) if select is not None and self.quorum.voted else None
         self.all_averaged = members is None
@@ -88,7 +94,55 @@ class FaultTolerantWindows:
         self._exchange(purpose, members, contributors, contributes, compressed)
         committed = self.quorum.commit() and contributors > 0
         self._commit_or_roll_back(committed, outer, compressed, rollback)
+        self.last_committed = committed
+        if purpose != "setup":
+            self._count_retries(committed)
         return committed
+
+    def _count_retries(self, committed: bool) -> None:
+        """Fail the job once ``max_retries`` windows in a row were discarded during training (``committed`` is the
+        same on every rank of the group, so all of its ranks fail together), naming the last one's reason."""
+        self.discarded_in_a_row = 0 if committed else self.discarded_in_a_row + 1
+        if self.discarded_in_a_row > self.max_retries:
+            raise RuntimeError(
+                f"replica group {self.quorum.group}: {self.discarded_in_a_row} windows in a row were discarded, more "
+                f"than TorchFT(max_retries={self.max_retries}); the last because {self._discard_reason()}")
+
+    def _discard_reason(self) -> str:
+        if self.quorum.failed():
+            return f"its exchange failed ({self.quorum.manager.errored()})"
+        membership = self.quorum.membership
+        return (f"it met {membership.groups} group(s) ({membership.contributors} contributing), fewer than "
+                f"min_replicas, or another rank of its group failed" if membership is not None else
+                "no quorum formed")
+
+    def _agree_on_the_quorum(self) -> int:
+        """One view of the window's quorum on every rank of the job: that of its first rank whose first all-reduce
+        succeeded (FedAvg's vote, the contributing groups and their count); returns the count.
+
+        A failure can reach some of a job's ranks only: local rank ``j`` exchanges with the other groups' local
+        rank ``j``. Each rank's own view would then send its ranks down different branches (a plain mean on one,
+        FedAvg's subset on another) whose collectives inside the job never pair, and the job would crash at its
+        timeout. Following one view, the job's ranks issue the same collectives; the exchange stays a no-op where
+        it failed, and ``should_commit`` discards the window on every rank."""
+        quorum = self.quorum
+        world = self.lanes.world
+        if world.world_size == 1:
+            return quorum.contributors
+        view = torch.zeros(2 + quorum.groups, dtype=torch.float64)
+        if not quorum.failed():
+            view[0], view[1] = 1.0, float(quorum.voted)
+            for group, rank in quorum.contributing.items():
+                view[2 + group] = rank + 1.0
+        views = world.all_gather(view.to(self.vector.parameters[0].device), "protocol").cpu()
+        succeeded = views[:, 0].nonzero().flatten()
+        if len(succeeded) > 0:
+            first = views[int(succeeded[0])]
+            quorum.voted = bool(first[1] > 0.5)
+            quorum.contributing = {group: int(first[2 + group]) - 1 for group in range(quorum.groups)
+                                   if first[2 + group] > 0.5}
+            quorum.contributors = len(quorum.contributing)
+        return quorum.contributors
 
     def _exchange(self, purpose: str, members: list[int] | None, contributors: int, contributes: bool,
                   compressed: bool) -> None:
@@ -127,8 +181,7 @@ class FaultTolerantWindows:
         else:
             self.discarded += 1
             log.warning("lightning_dist: replica group window discarded (%s): every replica is back at the last "
-                        "committed model", "the exchange failed" if self.quorum.failed() else
-                        "fewer than min_replicas groups, or another rank of this group failed")
+                        "committed model", self._discard_reason())
 
     def _members(self, select: Select) -> list[int] | None:
         """FedAvg's participants in this window as ranks of the quorum, None when every contributing group is one.

@@ -116,6 +116,8 @@ class LocalUpdateStrategy(ReplicaGroups, ReplicaAveraging, ReplicaCheckpoints, D
         self.fault_tolerance = self.check_fault_tolerance(fault_tolerance)
         self._windows: FaultTolerantWindows | None = None
         self._joined: dict[str, Any] | None = None
+        self._peer_checkpoint: dict[str, Any] | None = None
+        self._resume_data_position = False
         self._comm: Communicator | None = None
         self._vector: ModelVector | None = None
         self._generator = torch.Generator().manual_seed(seed)

@@ -106,37 +106,46 @@ def run_case_ranks(nprocs: int, worker: str, cases: dict[str, dict[str, Any]], o
 
 
 LIGHTHOUSE_FLAGS = {"min_replicas": 1, "join_timeout_ms": 30000, "heartbeat_timeout_ms": 1000}
+FT_SECRET = "the test run's secret, 16+ bytes"
+"""Every replica group's ``LIGHTNING_DIST_FT_SECRET`` in :func:`run_replica_groups`."""
 
 
 def run_replica_groups(
-    groups: int, ranks_per_group: int, spec: dict[str, Any], out_dir: Path, restart_group: int | None = None,
-    timeout: float = 300, network: Any = None, duplicate_group: int | None = None,
+    groups: int, ranks_per_group: int, spec: dict[str, Any], out_dir: Path,
+    restart_group: int | Sequence[int] | None = None, timeout: float = 300, network: Any = None,
+    duplicate_group: int | None = None, join_timeout_ms: int | None = None,
 ) -> dict[int, int]:
     """``tests/workers/fault_tolerant.py``: ``groups`` torchrun jobs of ``ranks_per_group`` ranks each, one replica
     group each, joined by a torchft Lighthouse in this process (heartbeats time out after 1 s, so a dead group
-    leaves the next quorum quickly). With ``restart_group``, that group's job is started again (``restart``) as
-    soon as it exits; with ``duplicate_group``, a second job of that group starts beside the first (``copy``:
-    no barrier, nothing injected). With ``network`` (a ``benchmarks.common.netns.Network`` of ``groups`` nodes), group ``g``'s job
-    runs on node ``g`` (its own host: ``MASTER_ADDR`` 127.0.0.1 names only itself) and the Lighthouse, the
-    ``torchft_lighthouse`` binary, on node 0. Returns each job's exit code by group (the restarted one's under
-    ``groups``)."""
+    leaves the next quorum quickly; ``join_timeout_ms``: the Lighthouse's, 30 s by default), every job with the
+    run's secret (:data:`FT_SECRET`). With ``restart_group`` (one or several), each such group's job is started
+    again (``restart``) as soon as it exits; with ``duplicate_group``, a second job of that group starts beside the
+    first (``copy``: no barrier, nothing injected). With ``network`` (a ``benchmarks.common.netns.Network`` of
+    ``groups`` nodes), group ``g``'s job runs on node ``g`` (its own host: ``MASTER_ADDR`` 127.0.0.1 names only
+    itself) and the Lighthouse, the ``torchft_lighthouse`` binary, on node 0. Returns each job's exit code by
+    group (the restarted or copied ones' under ``groups``, ``groups + 1``, ... in order)."""
     from torchft.coordination import LighthouseServer
 
+    from lightning_dist.comm.peer_state import SECRET_ENV
+
+    restarted = [] if restart_group is None else [restart_group] if isinstance(restart_group, int) else list(restart_group)
+    flags = {**LIGHTHOUSE_FLAGS, **({} if join_timeout_ms is None else {"join_timeout_ms": join_timeout_ms})}
     lighthouse_port = free_port()
     if network is None:
-        lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE_FLAGS)
+        lighthouse = LighthouseServer(bind="[::]:0", **flags)
         address, stop_lighthouse = lighthouse.address(), lighthouse.shutdown
     else:
-        flags = [f"--{name}={value}" for name, value in LIGHTHOUSE_FLAGS.items()]
+        flags = [f"--{name}={value}" for name, value in flags.items()]
         binary = Path(sys.executable).with_name("torchft_lighthouse")
         process = network.run(0, [str(binary), f"--bind=[::]:{lighthouse_port}", *flags], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
         address, stop_lighthouse = f"http://{network.address(0)}:{lighthouse_port}", process.kill
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "groups": groups, "lighthouse": address, "out": str(out_dir)}))
+    spec_path.write_text(json.dumps({**spec, "groups": groups, "lighthouse": address, "out": str(out_dir),
+                                     "restarted": restarted + ([] if duplicate_group is None else [duplicate_group])}))
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", SECRET_ENV: FT_SECRET}
 
     def launch(group: int, *extra: str) -> subprocess.Popen:
         log = open(out_dir / f"group{group}{''.join(extra)}.log", "w")
@@ -151,9 +160,9 @@ def run_replica_groups(
     if duplicate_group is not None:
         jobs[groups] = launch(duplicate_group, "copy")
     try:
-        if restart_group is not None:
-            jobs[restart_group].wait(timeout=timeout)
-            jobs[groups] = launch(restart_group, "restart")
+        for index, group in enumerate(restarted):
+            jobs[group].wait(timeout=timeout)
+            jobs[groups + index] = launch(group, "restart")
         return {group: job.wait(timeout=timeout) for group, job in jobs.items()}
     finally:
         for job in jobs.values():

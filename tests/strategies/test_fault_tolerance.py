@@ -43,8 +43,10 @@ def runs(tmp_path_factory):
     # the exchange of the window ending at step 8 (its second all-reduce there: the first of the model's buckets),
     # and its job is started again at once; the others wait after step 32 (in the second epoch) until it is up, and it
     # rejoins in the window that step ends (or a later one).
+    # Every group writes a checkpoint every 4 steps, and the restarted job starts with ckpt_path at its newest (step
+    # 8, written inside the window it died in), as a job started again with ``ckpt_path: last`` does.
     codes = run_replica_groups(3, 1, {"name": "rejoin", "max_steps": 48, "bucket": 200, "step_sleep": 0.1,
-                                      "model": "cnn", "await_restart": 32,
+                                      "model": "cnn", "await_restart": 32, "checkpoint": 4, "restart_from_last": True,
                                       "start_barrier": True, "strategy": {"period": PERIOD, "diloco": True},
                                       "kill": {"group": 2, "window": 3, "all_reduce": 2}},
                                out, restart_group=2)
@@ -103,6 +105,22 @@ def runs(tmp_path_factory):
                                       "strategy": {"period": PERIOD, "hierarchy": "node"}, "await_restart": 12,
                                       "kill": {"group": 2, "step": 6}}, out / "node_loss_jobs", restart_group=2)
     results["node_loss"] = (codes, group_results(out / "node_loss_jobs", "node_loss", 3, 2, restarted=(2,)))
+    # Periodic averaging, one rank per group: groups 1 and 2 die at step 6 and are started again together; group 0
+    # holds after step 12 until both ask for their first quorum, then 6 s more, so the two form quorums of their own
+    # (the Lighthouse's join timeout is 3 s) before group 0 ends its window.
+    codes = run_replica_groups(3, 1, {"name": "two_restart", "max_steps": 20, "step_sleep": 0.1, "await_restart": 12,
+                                      "hold_s": 6, "start_barrier": True, "strategy": {"period": PERIOD},
+                                      "kill": [{"group": 1, "step": 6}, {"group": 2, "step": 6}]},
+                               out / "two_restart_jobs", restart_group=(1, 2), join_timeout_ms=3000)
+    results["two_restart"] = (codes, group_results(out / "two_restart_jobs", "two_restart", 3, 1,
+                                                   restarted=(1, 2)))
+    # FedAvg (2 of 3 groups a round) between groups of 2 ranks (hierarchy="node"): in the window ending at step 8 a
+    # failure reaches local rank 0 of group 1 only (its first all-reduce fails there and succeeds on local rank 1).
+    codes = run_replica_groups(3, 2, {"name": "partial", "max_steps": 16, "start_barrier": True, "timeout": 10,
+                                      "strategy": {"period": PERIOD, "client_fraction": 0.5, "hierarchy": "node"},
+                                      "kill": {"group": 1, "window": 3, "all_reduce": 1, "local_rank": 0,
+                                               "fail_only": True}}, out / "partial_jobs")
+    results["partial"] = (codes, group_results(out / "partial_jobs", "partial", 3, 2))
     # No failure: DiLoCo with int8 on 2 groups of 2 ranks, against the same fit without the option on 2 nodes of 2
     # ranks (after the first, exact window, the same compressed exchanges between the nodes' ranks). Each
     # group writes a checkpoint at step 6 (inside a window), from which it resumes on one rank.
@@ -170,10 +188,79 @@ def test_restarted_group_rejoins_with_the_live_state(runs):
     assert joined["start_step"] == steps and start["lr"] == sources[0]["lr"] == sources[1]["lr"] == 0.005
     assert [same_state(start["state"], source["state"]) for source in sources].count(True) == 1
     # The live state a survivor sent, counted at the sender: the committed model once (DiLoCo's reference is its
-    # parameters, not sent again), DiLoCo's momentum, Adam's two moments, and a few kB of counters and generator.
+    # parameters, not sent again), DiLoCo's momentum, Adam's two moments, the generators' states (FedAvg's shared
+    # one, torch's and NumPy's), and a few bytes of counters.
     model, parameters = joined["final"].numel(), sum(parameter.numel() for parameter in DigitsCNN().parameters())
+    generators = 2 * torch.get_rng_state().numel() + 624 * 8  # two torch generators' bytes, NumPy's 624 int64 keys
     sent = sum(results[group][0]["comm"].bytes_by_purpose["checkpoint"] for group in (0, 1))
-    assert 4 * (model + 3 * parameters) <= sent < 4 * (model + 4 * parameters)
+    assert 4 * (model + 3 * parameters) + generators <= sent < 4 * (model + 3 * parameters) + generators + 256
+
+
+def test_a_restart_with_ckpt_path_takes_the_peers_state_over_its_file(runs):
+    """The restarted job was started with ``ckpt_path`` at its own newest file (step 8, inside the window it died
+    in): the peer's live state wins (Lightning restores the file after set-up), so it starts where the others are
+    and ends with them (above: bit for bit after every window), not at step 8 with its stale model."""
+    _, results = runs["rejoin"]
+    joined = results["2_restart"][0]
+    assert joined["ckpt_path"] is not None and joined["ckpt_path"].endswith("step=8.ckpt")
+    steps = joined["windows"][0]["local_steps"]
+    assert joined["start_step"] == steps >= 32 and joined["global_step"] == 48
+    assert torch.equal(joined["start"], joined["windows"][0]["after"])  # the committed model, not the file's replica
+    assert joined["syncs"] == results[0][0]["syncs"]  # the window it joined in counted, as the peer counts it
+
+
+def test_a_group_healed_mid_epoch_reads_each_sample_of_its_shard_once(runs):
+    """The restarted group joins at the peers' batch of the second epoch: it reads its own shard on from that batch,
+    in the epoch's order, each batch once, to the epoch's end (Lightning alone would read it from the first batch,
+    the first ones twice and the last never); and it takes the peer's random number generators."""
+    _, results = runs["rejoin"]
+    joined = results["2_restart"][0]
+    start = joined["start_step"]  # 30 batches an epoch: the joiner starts in epoch 1 at batch start - 30
+    epoch, first = divmod(start, 30)
+    assert epoch == 1 and first > 0
+    order = joined["epoch_orders"][epoch]
+    seen = [(batch_idx, print_) for seen_epoch, batch_idx, print_ in joined["batches"] if seen_epoch == epoch]
+    assert [batch_idx for batch_idx, _ in seen] == list(range(first, first + len(seen)))
+    assert [print_ for _, print_ in seen] == order[first:first + len(seen)]
+    assert len(set(order)) == len(order)  # the fingerprints tell the batches apart
+    # Every group's generator was put in a state of its own before it met the others; the joiner's is the peer's.
+    healed = joined["windows"][0]
+    peers = [{w["local_steps"]: w for w in results[group][0]["windows"]}[start]["rng_before"] for group in (0, 1)]
+    assert not torch.equal(peers[0], peers[1]) and not torch.equal(healed["rng_before"], healed["rng_after"])
+    assert any(torch.equal(healed["rng_after"], peer) for peer in peers)
+
+
+def test_groups_restarted_together_wait_for_a_live_peer_instead_of_starting_over(runs):
+    """Groups 1 and 2, restarted together while group 0 is inside its window, meet in quorums of their own (2 of 3
+    groups, none ahead): those joins do not hold, and they join when group 0 ends its window, healed from it, at
+    its step; all three end at step 20 with one model."""
+    codes, results = runs["two_restart"]
+    assert codes[0] == codes[3] == codes[4] == 0 and codes[1] != 0 and codes[2] != 0
+    survivor = {window["local_steps"]: window for window in results[0][0]["windows"]}
+    for group in (1, 2):
+        joined = results[f"{group}_restart"][0]
+        setups = [window for window in joined["windows"] if window["purpose"] == "setup"]
+        assert any(window["membership"]["groups"] == 2 and not window["healed"] for window in setups[:-1])
+        last = setups[-1]
+        assert last["healed"] and last["committed"] and last["membership"]["groups"] == 3
+        assert joined["start_step"] == last["local_steps"] == 12 and joined["global_step"] == 20
+        assert torch.equal(last["after"], survivor[12]["after"])
+        assert torch.equal(joined["final"], results[0][0]["final"])
+
+
+def test_a_failure_on_one_rank_of_a_group_discards_the_window_on_every_rank(runs):
+    """FedAvg between groups of 2 ranks: the failure reaches group 1's local rank 0 only. Its ranks follow one view
+    of the quorum (local rank 1's), so they issue the same collectives inside the group instead of waiting for
+    each other until the timeout: the window is discarded on every rank of every group, and the run goes on."""
+    codes, results = runs["partial"]
+    assert codes == {0: 0, 1: 0, 2: 0}
+    for group in range(3):
+        for rank in range(2):
+            windows = {window["local_steps"]: window for window in results[group][rank]["windows"]}
+            assert not windows[8]["committed"] and windows[4]["committed"] and windows[12]["committed"]
+            assert torch.equal(windows[8]["after"], windows[4]["after"])  # back at the committed model
+            assert results[group][rank]["global_step"] == 16
+            assert torch.equal(results[group][rank]["final"], results[0][0]["final"])
 
 
 def same_state(first, second):
@@ -259,14 +346,14 @@ def test_a_group_rejoins_a_compressed_run_with_a_zero_delta(runs):
     assert torch.equal(joined["final"], results[0][0]["final"])
     # Bytes, counted at the sender between groups: its int8 pieces of the two chunks it does not own, its piece of
     # the mean to both others, and the buffers' all-reduce (float32) as a ring's share, once per window; and the
-    # contributor count's all-reduce (7 float64) as a ring's share.
+    # contributor count's all-reduce (8 float64: presence, ranks, FedAvg's vote, the run's tag) as a ring's share.
     parameters = survivors[0][16]["compression_before"][0]["residual"].numel()
     buffers = first["before"].numel() - parameters
     assert buffers > 0
     owners = list(chunk_bounds(parameters, [0, 1, 2]).values())
     window = sum(encoded_nbytes(stop - start, "int8") for start, stop in owners[:2]) + 2 * encoded_nbytes(
         owners[2][1] - owners[2][0], "int8") + 2 * 2 * buffers * 4 // 3
-    count = 2 * 2 * 7 * 8 // 3
+    count = 2 * 2 * 8 * 8 // 3
     assert joined["comm"].bytes_by_purpose["setup"] == window
     assert joined["comm"].bytes_by_purpose["protocol"] == 2 * window + 3 * count
     assert joined["comm"].bytes_by_level == {"intra_node": 0, "inter_node": 3 * window + 3 * count}
@@ -461,10 +548,11 @@ def test_groups_on_separate_hosts_meet_at_the_addresses_they_advertise(tmp_path)
 
 
 def test_a_replica_group_running_twice_is_refused_by_name_and_the_others_go_on(tmp_path):
-    """Two jobs of group 1 (as when a worker outlives its killed torchrun agent and the group is started again):
-    both copies stop with an error naming group 1, and group 0 discards the window they shared and trains on."""
-    spec = {"name": "twice", "max_steps": 12, "start_barrier": True, "step_sleep": 0.2,
-            "strategy": {"period": PERIOD, "diloco": True}}
+    """Two jobs of group 1 (as when a worker outlives its killed torchrun agent and the group is started again,
+    once the run is under way): both copies stop with an error naming group 1, and group 0 discards the window
+    they shared and trains on."""
+    spec = {"name": "twice", "max_steps": 16, "start_barrier": True, "step_sleep": 0.2, "copy_after_setup": True,
+            "await_restart": 8, "strategy": {"period": PERIOD, "diloco": True}}
     codes = run_replica_groups(2, 1, spec, tmp_path, duplicate_group=1, timeout=240)
     assert codes[0] == 0 and codes[1] != 0 and codes[2] != 0
     refusal = "replica group 1 joined this quorum 2 times"
@@ -473,6 +561,29 @@ def test_a_replica_group_running_twice_is_refused_by_name_and_the_others_go_on(t
     discarded = [window for window in windows if not window["committed"]]
     assert len(discarded) == 1 and discarded[0]["membership"]["groups"] == 3
     assert all(window["membership"]["groups"] == 1 for window in windows[windows.index(discarded[0]) + 1:])
+
+
+def test_two_runs_that_share_a_lighthouse_are_refused_by_name(tmp_path):
+    """A run's group 0 and another run's group 0 (another secret) on one Lighthouse meet in one quorum: each stops
+    with the error that names the cause, before anything is averaged or any state sent."""
+    spec = {"name": "two_runs", "max_steps": 8, "copy_secret": "another run's secret, 16+ bytes",
+            "strategy": {"period": PERIOD}}
+    codes = run_replica_groups(1, 1, spec, tmp_path, duplicate_group=0, timeout=240)
+    assert codes[0] != 0 and codes[1] != 0
+    refusal = "met replica groups of another run in its quorum"
+    assert refusal in (tmp_path / "group0.log").read_text() and refusal in (tmp_path / "group0copy.log").read_text()
+
+
+def test_a_group_that_keeps_discarding_windows_fails_after_max_retries(tmp_path):
+    """min_replicas=2 of 2 groups and group 1 lost for good: every window of group 0 is discarded (too few groups),
+    and after max_retries=2 of them in a row its job fails naming the reason, instead of training on forever."""
+    spec = {"name": "retries", "max_steps": 40, "start_barrier": True, "min_replicas": 2, "max_retries": 2,
+            "step_sleep": 0.1, "strategy": {"period": PERIOD}, "kill": {"group": 1, "step": 6}}
+    codes = run_replica_groups(2, 1, spec, tmp_path, timeout=240)
+    assert codes[0] != 0 and codes[1] != 0
+    log = (tmp_path / "group0.log").read_text()
+    assert "3 windows in a row were discarded, more than TorchFT(max_retries=2)" in log
+    assert "it met 1 group(s) (1 contributing), fewer than min_replicas" in log
 
 
 def test_every_group_resumes_from_its_own_checkpoint_after_a_total_loss(runs):
@@ -529,10 +640,63 @@ def option(**kwargs):
     ({"min_replicas": 4}, r"min_replicas must be an integer in \[1, 3\]"),
     ({"replica_group": 3}, r"replica_group must be an integer in \[0, 2\]"),
     ({"timeout": timedelta(0)}, "timeout must be a positive datetime.timedelta"),
+    ({"max_retries": -1}, "max_retries must be an integer >= 0"),
+    ({"lighthouse": "http://127.0.0.1:29510/lighthouse"}, r"TorchFT\(lighthouse=...\) must be http://host:port .*"
+                                                          "nothing after the port; got 'http://127.0.0.1:29510/"),
+    ({"lighthouse": "127.0.0.1:29510"}, r"TorchFT\(lighthouse=...\) must be http://host:port"),
+    ({"lighthouse": "http://[::1]"}, "with its port; got 'http://\\[::1\\]'"),
+    ({"bind_address": "eth0"}, "bind_address must be an IP address of this host"),
+    ({"bind_address": "192.0.2.1"}, "bind_address '192.0.2.1' is not an address of this host"),
 ])
 def test_torchft_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         option(**kwargs)
+
+
+def test_an_ipv6_lighthouse_is_accepted_and_reached_from_this_hosts_ipv6_address():
+    from lightning_dist.comm.quorum import reaching_address
+
+    assert option(lighthouse="http://[::1]:29510").lighthouse == "http://[::1]:29510"
+    assert reaching_address("http://[::1]:29510") == "::1"
+    assert reaching_address("http://127.0.0.1:29510") == "127.0.0.1"
+
+
+def test_the_environment_is_checked_when_the_trainer_is_built(monkeypatch):
+    """What a job reads from its environment fails before training, naming the variable: an unresolvable
+    Lighthouse host, a malformed TORCHFT_LIGHTHOUSE, a missing secret."""
+    from lightning_dist.comm.peer_state import SECRET_ENV, SECRET_FILE_ENV
+
+    def trainer(**kwargs):
+        return L.Trainer(strategy=PeriodicAveragingStrategy(fault_tolerance=option(**kwargs)), accelerator="cpu",
+                         devices=1)
+
+    monkeypatch.setenv(SECRET_ENV, "a secret of 16 bytes or more")
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    with pytest.raises(ValueError, match="cannot resolve the Lighthouse's host 'no-such-host.invalid'"):
+        trainer(lighthouse="http://no-such-host.invalid:29510")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510/path")
+    with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE must be http://host:port"):
+        trainer(lighthouse=None)
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        trainer()
+
+
+def test_an_unreachable_lighthouse_is_named_after_the_timeout():
+    from helpers.launch import free_port
+    from lightning_dist.comm.quorum import wait_for_lighthouse
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionError, match=f"no torchft Lighthouse answers at {url} after 0.5 s"):
+        wait_for_lighthouse(url, timedelta(seconds=0.5))
+
+
+def test_another_torchft_release_is_refused_by_name(monkeypatch):
+    import lightning_dist.strategies._fault_tolerance as fault_tolerance
+
+    monkeypatch.setattr(fault_tolerance.importlib.metadata, "version", lambda name: "0.3.0")
+    with pytest.raises(ValueError, match="built on torchft 0.2.0 .*installed: torchft 0.3.0"):
+        option()
 
 
 def test_replica_group_comes_from_the_environment(monkeypatch):
