@@ -38,7 +38,8 @@ from lightning_dist.comm import CommStats, Communicator, check_timeout, new_grou
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies._averaging import ReplicaAveraging
 from lightning_dist.strategies._checkpoint import ReplicaCheckpoints
-from lightning_dist.strategies._fault_tolerance import ReplicaGroups, TorchFT
+from lightning_dist.strategies._fault_tolerance import ReplicaGroups
+from lightning_dist.strategies._torchft_option import TorchFT
 from lightning_dist.strategies._replica_windows import FaultTolerantWindows
 from lightning_dist.strategies._fragment_exchange import FragmentExchange
 from lightning_dist.strategies._hierarchy import NodeHierarchy

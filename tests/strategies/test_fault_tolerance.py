@@ -692,9 +692,9 @@ def test_an_unreachable_lighthouse_is_named_after_the_timeout():
 
 
 def test_another_torchft_release_is_refused_by_name(monkeypatch):
-    import lightning_dist.strategies._fault_tolerance as fault_tolerance
+    import lightning_dist.strategies._torchft_option as torchft_option
 
-    monkeypatch.setattr(fault_tolerance.importlib.metadata, "version", lambda name: "0.3.0")
+    monkeypatch.setattr(torchft_option.importlib.metadata, "version", lambda name: "0.3.0")
     with pytest.raises(ValueError, match="built on torchft 0.2.0 .*installed: torchft 0.3.0"):
         option()
 
