@@ -7,7 +7,8 @@
 
 What a user runs by hand, in one script: the Lighthouse (``torchft_lighthouse``, installed with torchft), then one
 torchrun job per replica group (``--groups``, each ``--nproc-per-node`` ranks), each with its own
-``--master-port``, ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE`` and the run's ``LIGHTNING_DIST_FT_SECRET``, running ``lightning-dist fit --config CONFIG``
+``--master-port``, ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE`` and the run's ``LIGHTNING_DIST_FT_SECRET``
+(``--secret``, a new one by default), running ``lightning-dist fit --config CONFIG``
 (``examples/fault_tolerant/diloco.yaml`` by default: DiLoCo on MNIST-1D with ``fault_tolerance`` set). With
 ``--kill-group G`` the job of group G is SIGKILLed with its processes ``--kill-after`` seconds after every group has
 logged its first window; with ``--restart`` it is started again at once and rejoins with the others' live state.

@@ -69,7 +69,8 @@ def restore_rng_states(states: Mapping[str, Any], device: torch.device) -> None:
         (cuda_rng,) = states["cuda_rng"]
         torch.cuda.set_rng_state(cuda_rng, device)
     random.setstate(states["python_rng"])
-    np.random.set_state(("MT19937", states["numpy_rng"]["keys"].numpy().astype(np.uint32), *states["numpy_rng"]["rest"]))
+    numpy_rng = states["numpy_rng"]
+    np.random.set_state(("MT19937", numpy_rng["keys"].numpy().astype(np.uint32), *numpy_rng["rest"]))
 
 
 class ReplicaCheckpoints:

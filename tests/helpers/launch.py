@@ -128,7 +128,8 @@ def run_replica_groups(
 
     from lightning_dist.comm.peer_state import SECRET_ENV
 
-    restarted = [] if restart_group is None else [restart_group] if isinstance(restart_group, int) else list(restart_group)
+    restarted = ([] if restart_group is None else [restart_group] if isinstance(restart_group, int)
+                 else list(restart_group))
     flags = {**LIGHTHOUSE_FLAGS, **({} if join_timeout_ms is None else {"join_timeout_ms": join_timeout_ms})}
     lighthouse_port = free_port()
     if network is None:

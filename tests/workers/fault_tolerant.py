@@ -3,16 +3,17 @@ whose windows run through torchft; each rank writes ``<out>/<name>/group<g>_rank
 
 Usage: torchrun ... fault_tolerant.py spec.json GROUP [restart] (tests/helpers/launch.py's ``run_replica_groups``);
 with ``"plain": true`` the same fit without the option on ``run_nodes``' nodes (``GROUP_RANK`` is the group), the
-baseline a run without failures must equal. The spec names the Lighthouse, the groups, the
-strategy's arguments, and the failure to inject into this group: ``{"kill": {"group": 2, "step": 6}}`` exits this
-job's processes right after that optimizer step (inside a window), ``{"kill": {"group": 2, "window": 2,
-"all_reduce": 3}}`` during the third all-reduce of its second window (inside the exchange; ``"exchange": 1``: the
-first batch of point-to-point transfers of a compressed one; ``"rejoined": true`` instead of ``"window"``: in the
-first window with every group after one with fewer, where a restarted group joins; ``"local_rank": j``: on that
-local rank only; ``"fail_only": true``: the failure reaches that rank's exchange, torchft's error reported there, and
-its process lives on). A restarted job (the ``restart`` argument) injects nothing there; with ``"heal_fails": true`` its first transfer of a peer's state fails (the checkpoint
-transport raises, as when the peer is lost mid-transfer; a list of local ranks: on those ranks only). ``"timeout"``: the option's, in seconds (30). Each window records the model before and after it and, under ``compression``, the compressed state of every
-bucket before and after it.
+baseline a run without failures must equal. The spec names the Lighthouse, the groups, the strategy's arguments, and
+the failure to inject into this group: ``{"kill": {"group": 2, "step": 6}}`` exits this job's processes right after
+that optimizer step (inside a window), ``{"kill": {"group": 2, "window": 2, "all_reduce": 3}}`` during the third
+all-reduce of its second window (inside the exchange; ``"exchange": 1``: the first batch of point-to-point transfers
+of a compressed one; ``"rejoined": true`` instead of ``"window"``: in the first window with every group after one with
+fewer, where a restarted group joins; ``"local_rank": j``: on that local rank only; ``"fail_only": true``: the failure
+reaches that rank's exchange, torchft's error reported there, and its process lives on). A restarted job (the
+``restart`` argument) injects nothing there; with ``"heal_fails": true`` its first transfer of a peer's state fails
+(the checkpoint transport raises, as when the peer is lost mid-transfer; a list of local ranks: on those ranks only).
+``"timeout"``: the option's, in seconds (30). Each window records the model before and after it and, under
+``compression``, the compressed state of every bucket before and after it.
 
 ``"restart_from_last": true`` starts a restarted job with ``ckpt_path`` at its group's newest checkpoint (as
 ``ckpt_path: last``). A ``copy`` job (``run_replica_groups``' ``duplicate_group``) runs with ``"copy_secret"`` as its
@@ -21,10 +22,10 @@ window. Every job's groups, Lighthouse and secret come from ``run_replica_groups
 
 ``"start_barrier"`` makes every group's job wait, once its torchft Manager heartbeats, for the others' to, so the
 first quorum has every group (a group whose Manager the Lighthouse has not heard of yet is not waited for).
-``"await_restart": STEP`` holds the other groups after optimizer step STEP until every restarted (or copied) job
-asks for its first quorum (then ``"hold_s"`` seconds more), so it rejoins a run still in progress however slowly it starts (the Lighthouse forms a quorum of the
-previous one's groups without waiting for a newcomer that has not asked yet). ``"step_sleep"`` slows every
-optimizer step.
+``"await_restart": STEP`` holds the other groups after optimizer step STEP until every restarted (or copied) job asks
+for its first quorum (then ``"hold_s"`` seconds more), so it rejoins a run still in progress however slowly it starts
+(the Lighthouse forms a quorum of the previous one's groups without waiting for a newcomer that has not asked yet).
+``"step_sleep"`` slows every optimizer step.
 
 ``"checkpoint"`` writes each group's checkpoint at every epoch's end (``"checkpoint": STEPS``: every STEPS optimizer
 steps); ``"resume_from": NAME`` resumes every group from its own first-epoch checkpoint of run NAME
