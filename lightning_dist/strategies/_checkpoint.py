@@ -45,8 +45,9 @@ def pack_replica(state: Mapping[str, Any]) -> bytes:
 
 
 def unpack_replica(payload: bytes) -> dict[str, Any]:
-    """:func:`pack_replica`'s bytes back, every tensor on the host whatever device it was saved from."""
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    """:func:`pack_replica`'s bytes back, every tensor on the host whatever device it was saved from. Tensors and
+    plain values only (``weights_only=True``): in a multi-node job the bytes come over the network."""
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
 def rng_states(device: torch.device) -> dict[str, Any]:

@@ -194,10 +194,10 @@ class ReplicaGroups:
         deadline = time.monotonic() + option.quorum_timeout.total_seconds()
         quorum = self._windows.quorum
         tries = 0
-        # Every input below is the same on every rank of the job: should_commit's answer, the quorum's groups, and
-        # whether any rank was healed (group_any in the window).
-        while not (self.end_window("setup")
-                   and (quorum.healed or quorum.membership.groups == option.num_replica_groups)):
+        # should_commit's answer and whether any rank was healed (group_any in the window) are the same on every rank
+        # of the job; the quorum's size is each rank's Manager's, so whether it was short is agreed (group_any).
+        while not (self.end_window("setup") and (quorum.healed or not self.group_any(
+                quorum.membership.groups != option.num_replica_groups))):
             reason = ("its window was discarded" if not self._windows.last_committed else
                       f"only {quorum.membership.groups} of {option.num_replica_groups} groups met and none was ahead")
             if self.group_any(time.monotonic() > deadline):
