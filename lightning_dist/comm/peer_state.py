@@ -1,7 +1,9 @@
 """A live peer's state for a replica group that is behind, over HTTP authenticated with a per-run secret.
 
-Under ``fault_tolerance`` a restarted group receives an up-to-date peer's state through torchft's checkpoint
-transport. torchft's own (``HTTPTransport``) listens on every interface without authentication and loads what
+Under ``fault_tolerance`` a restarted group receives an up-to-date peer's state in two parts: the small one inside
+the quorum, through torchft's checkpoint transport (``/state/<step>``), and the committed model with the protocol
+and optimizer states afterwards, in the background while every group trains, from the same peer's server
+(``/committed/<step>``, published after the window's commit). torchft's own (``HTTPTransport``) listens on every interface without authentication and loads what
 arrives with pickle: whoever reaches its port can run code in the receiver or read the model, and two runs that
 share a Lighthouse can feed each other state. :class:`AuthenticatedStateTransport` replaces it.
 
@@ -32,6 +34,8 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -93,6 +97,19 @@ def _matches(received: str | None, expected: str) -> bool:
     return hmac.compare_digest((received or "").encode("latin-1"), expected.encode("latin-1"))
 
 
+STATE, COMMITTED = "state", "committed"
+"""What a server serves: torchft's state for a quorum's heal, and the committed state published after a window."""
+
+
+@dataclass
+class _Served:
+    """One kind of state a server serves: its step, its encoding (None: nothing may be sent) and that's SHA-256."""
+
+    step: int = -1
+    payload: bytes | None = None
+    digest: bytes = b""
+
+
 class AuthenticatedStateTransport(CheckpointTransport[Any]):
     """torchft's checkpoint transport for this package: the state a peer heals from, encoded once with
     ``torch.save`` and served over HTTP to holders of ``secret`` only, decoded with ``weights_only=True`` (see
@@ -117,11 +134,10 @@ class AuthenticatedStateTransport(CheckpointTransport[Any]):
         self._timeout = timeout
         self._on_receive = on_receive
         self._served = threading.Condition()  # guards everything below
-        self._step = -1
-        self._payload: bytes | None = None  # None: no state may be sent
-        self._digest = b""
+        self._slots = {STATE: _Served(), COMMITTED: _Served()}
         self._responding = 0
         self._seen_nonces: set[str] = set()
+        self._source: str | None = None  # where the last recv_checkpoint fetched from (the peer's metadata)
 
         transport = self
 
@@ -157,22 +173,35 @@ class AuthenticatedStateTransport(CheckpointTransport[Any]):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         """Serve ``state_dict`` (its tensors copied to the host) as the state of ``step`` until
         :meth:`disallow_checkpoint`."""
-        buffer = io.BytesIO()
-        torch.save(tree_map_only(torch.Tensor, lambda tensor: tensor.cpu(), state_dict), buffer)
-        payload = buffer.getvalue()
-        digest = hashlib.sha256(payload).digest()
-        with self._served:
-            self._step, self._payload, self._digest = step, payload, digest
-            self._served.notify_all()
+        self._hold(STATE, step, state_dict)
 
     def disallow_checkpoint(self) -> None:
         """Stop serving the state, once the responses in flight have been sent (torchft's contract: the state may
         be changed after this returns); torchft calls it at every ``should_commit``."""
         with self._served:
-            self._payload = None
+            self._slots[STATE].payload = None
             if not self._served.wait_for(lambda: self._responding == 0, self._timeout.total_seconds()):
-                raise TimeoutError(f"a peer still fetches this group's state of step {self._step} from {self._url} "
-                                   f"after {self._timeout}")
+                raise TimeoutError(f"a peer still fetches this group's state of step {self._slots[STATE].step} from "
+                                   f"{self._url} after {self._timeout}")
+
+    def publish(self, step: int, state: Any) -> None:
+        """Serve ``state`` as the committed state of ``step`` (at ``/committed/<step>``) until the next
+        :meth:`publish` or :meth:`withdraw`; encoded now, so ``state`` may change once this returns."""
+        self._hold(COMMITTED, step, state)
+
+    def withdraw(self) -> None:
+        """Stop serving the committed state (a response in flight still completes: it holds the encoding)."""
+        with self._served:
+            self._slots[COMMITTED] = _Served()
+
+    def _hold(self, kind: str, step: int, state: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(tree_map_only(torch.Tensor, lambda tensor: tensor.cpu(), state), buffer)
+        payload = buffer.getvalue()
+        served = _Served(step, payload, hashlib.sha256(payload).digest())
+        with self._served:
+            self._slots[kind] = served
+            self._served.notify_all()
 
     def _respond(self, request: BaseHTTPRequestHandler) -> None:
         nonce = request.headers.get(NONCE_HEADER, "")
@@ -188,18 +217,25 @@ class AuthenticatedStateTransport(CheckpointTransport[Any]):
                         "its MAC is wrong (another run, a client without this run's secret, or a relay)")
             request.send_error(403)
             return
-        wanted = re.fullmatch(r"/state/(\d+)", request.path)
+        wanted = re.fullmatch(rf"/({STATE}|{COMMITTED})/(\d+)", request.path)
         if wanted is None:
-            request.send_error(404, "expected /state/<step>")
+            request.send_error(404, f"expected /{STATE}/<step> or /{COMMITTED}/<step>")
             return
+        kind, wanted_step = wanted[1], int(wanted[2])
+
+        def ready() -> bool:  # a joiner may ask for the committed state before this group has published it
+            slot = self._slots[kind]
+            return slot.payload is not None and (kind == STATE or slot.step >= wanted_step)
+
         with self._served:
-            if not self._served.wait_for(lambda: self._payload is not None, self._timeout.total_seconds()):
-                request.send_error(503, f"no state served within {self._timeout}")
+            if not self._served.wait_for(ready, self._timeout.total_seconds()):
+                request.send_error(503, f"no {kind} of step {wanted_step} served within {self._timeout}")
                 return
-            step, payload, digest = self._step, self._payload, self._digest
+            slot = self._slots[kind]
+            step, payload, digest = slot.step, slot.payload, slot.digest
             self._responding += 1
         try:
-            status = 200 if int(wanted[1]) == step else 409  # another step: answered, so the receiver names both
+            status = 200 if wanted_step == step else 409  # another step: answered, so the receiver names both
             if status == 409:
                 payload, digest = b"", hashlib.sha256(b"").digest()
             request.send_response(status)
@@ -220,10 +256,31 @@ class AuthenticatedStateTransport(CheckpointTransport[Any]):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         """Fetch the state of ``step`` from the peer at ``metadata``, authenticate it, and decode its tensors and
         plain values (``PermissionError``: not authentic; ``ConnectionError``: not fetched; ``ValueError``: another
-        step, or content that is not tensors and plain values)."""
+        step, or content that is not tensors and plain values). The peer is remembered for
+        :meth:`fetch_committed`."""
         if self._on_receive is not None:
             self._on_receive()
-        url = f"{metadata}{step}"
+        self._source = metadata
+        return self._fetch(f"{metadata}{step}", step, timeout)
+
+    def fetch_committed(self, step: int, timeout: timedelta) -> Future[Any]:
+        """The committed state of ``step`` from the peer the last :meth:`recv_checkpoint` fetched from, fetched in a
+        thread of its own (what its future raises: as :meth:`recv_checkpoint`)."""
+        if self._source is None:
+            raise RuntimeError("fetch_committed before any recv_checkpoint: no peer to fetch from")
+        url = f"{self._source.removesuffix(f'{STATE}/')}{COMMITTED}/{step}"
+        future: Future[Any] = Future()
+
+        def fetch() -> None:
+            try:
+                future.set_result(self._fetch(url, step, timeout))
+            except BaseException as error:  # handed to the waiting thread, which decides
+                future.set_exception(error)
+
+        threading.Thread(target=fetch, name="lightning_dist-committed-state", daemon=True).start()
+        return future
+
+    def _fetch(self, url: str, step: int, timeout: timedelta) -> Any:
         parts = urlsplit(url)
         nonce = secrets.token_hex(16)
         headers = {NONCE_HEADER: nonce, MAC_HEADER: request_mac(self._secret, "GET", parts.netloc, parts.path, nonce)}

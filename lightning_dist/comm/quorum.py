@@ -8,14 +8,14 @@ reconfigurable Gloo group (torchft's ``group_rank`` is the local rank, as this p
 ``should_commit`` says whether the window's exchange completed everywhere in the group. A group that dies inside
 a window drops out of the next quorum (its heartbeat stops); one that dies inside the exchange makes it fail, and
 every group that saw the failure discards the window. A group that is behind (new, restarted, or one whose last
-commit failed) receives the live state from an up-to-date peer inside the quorum (torchft's checkpoint
-transport), nothing read from disk.
+commit failed) receives the small part of an up-to-date peer's state inside the quorum (torchft's checkpoint
+transport) and the rest from the same peer outside the window, nothing read from disk.
 
 :class:`QuorumCommunicator` is what the averaging code sees as the learners' communicator (``rank``,
 ``world_size``, ``level``, ``all_reduce_sum_``, ``exchange``, ``stats``), with the quorum's calls beside it. Its
 ``rank`` and ``world_size`` are torchft's participating rank and count; ``contributors``
 (:meth:`QuorumCommunicator.count_contributors`) is how many of them the window's mean is of: a group that was
-healed in this quorum takes part in the exchange with a zero contribution (its window trained from a model the
+healed in this quorum or the one before takes part in the exchange with a zero contribution (its window trained from a model the
 others have left) and is not counted in the mean.
 
 torchft's ``Manager.allreduce`` does not raise: after a failure it logs, marks the step errored and turns the
@@ -164,6 +164,12 @@ class QuorumCommunicator:
     def stats(self) -> CommStats:
         return self._counted_by.stats
 
+    @property
+    def transport(self) -> Any:
+        """This rank's :class:`~lightning_dist.comm.peer_state.AuthenticatedStateTransport` (its torchft Manager's
+        checkpoint transport): where it publishes its committed state and fetches a peer's."""
+        return self.manager._checkpoint_transport
+
     def begin_window(self) -> None:
         """Form this window's quorum (blocking; torchft heals this group here if it is behind)."""
         self.healed = self.behind = False
@@ -193,7 +199,7 @@ class QuorumCommunicator:
         all-reduce failed). A decision that steers the exchange is taken from ``voted``: a group that was healed in
         this quorum cannot know which window the others are ending.
 
-        A group contributes unless it was healed in this quorum. 0 when the exchange failed (nothing to average)
+        A group contributes unless it was healed in this quorum or the last. 0 when the exchange failed (nothing to average)
         or when a group is in the quorum twice: two processes run as one replica group (typically a worker left
         training after its torchrun agent was killed: torchrun starts workers in sessions of their own, so killing
         the agent's process group spares them), and both copies' data would weigh twice in the mean. Each copy

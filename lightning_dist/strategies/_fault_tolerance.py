@@ -6,15 +6,13 @@ Lighthouse, started once, forms a quorum of the healthy groups at the end of eve
 window ends as torchft's DiLoCo ends one (``torchft/local_sgd.py``), in this package's buckets:
 
 1. **Quorum.** The healthy groups meet; a group that is behind (new, restarted, or whose last commit failed)
-   receives the live state from an up-to-date peer right there (:meth:`ReplicaGroups.recovery_state`):
-   the last committed model, the protocol's state (DiLoCo's reference and outer momentum), the counters, this
-   local rank's optimizer state and random generators and, for a group joining at the start of its ``fit``,
-   Lightning's loops and schedulers (and its data's position in the epoch), over
-   :mod:`lightning_dist.comm.peer_state` (holders of the run's secret only; tensors and plain values only). The
-   peer's state wins over a ``ckpt_path`` the job was started with.
-2. **Exchange.** Every group that was not healed in this quorum contributes its replica; a healed one sends zeros
-   (its window trained from a model the others have left) and the mean divides by the contributors only. Each
-   bucket's mean is written into the model as it arrives (no copy of the model on the device).
+   receives the small part of an up-to-date peer's state right there (:meth:`ReplicaGroups.recovery_state`): the
+   counters, the random generators and, for a group joining at the start of its ``fit``, Lightning's loops and
+   schedulers (and its data's position in the epoch). The peer's state wins over a ``ckpt_path`` the job was
+   started with.
+2. **Exchange.** Every group that was not healed in this quorum or the one before contributes its replica; a
+   healed one sends zeros and the mean divides by the contributors only. Each bucket's mean is written into the
+   model as it arrives (no copy of the model on the device).
 3. **Commit or roll back.** torchft's ``should_commit``: if the exchange completed on every rank of the group with
    at least ``min_replicas`` groups, DiLoCo's outer step runs from the mean and the result becomes the new
    committed model (the *anchor*, kept on the host as torchft keeps its backup); otherwise the model returns to
@@ -26,6 +24,17 @@ The window itself is :class:`~lightning_dist.strategies._replica_windows.FaultTo
 others keep their replicas, and each group's committed model is its own. With ``compression`` every window but the
 run's first sends compressed deltas from the committed model (residuals restored when a window is discarded,
 chunks cut anew when the groups change).
+
+**Heal outside the window.** The bulk of a healed group's state (the committed model, the protocol's state:
+DiLoCo's outer momentum, and the optimizer state) never crosses inside the others' window: the peer publishes its
+committed state once that window is committed (:meth:`ReplicaGroups.committed_state`), and the healed group's local
+rank 0 fetches it in the background while every group trains the next window, over
+:mod:`lightning_dist.comm.peer_state` (holders of the run's secret only; tensors and plain values only). The healed
+group trains that window too (from the model it has, to keep Lightning's counters, schedulers and data in step with
+the others) and sends zeros at its end, where it takes the fetched state first (:meth:`ReplicaGroups.complete_heal`)
+and commits the window's outer step as every group does: from the next window on it contributes. The others wait
+for it only if the fetch takes longer than their window. A fetch that fails has the group healed again at the next
+quorum.
 
 A group that dies inside a window is simply absent from the next quorum (its heartbeat stops), and the others
 average without it: its window is the only work lost. A group that dies inside the exchange makes the exchange
@@ -79,6 +88,9 @@ FAULT_TOLERANCE_KEY = "fault_tolerance"
 JOIN_RETRY_S = 1.0
 """How long a group whose join at set-up did not hold waits before it asks for the next quorum."""
 
+HEAL_ON_RANK_0 = object()
+"""A heal pending on a rank other than the job's rank 0, which fetches the committed state for all of them."""
+
 
 def lightning_training_state(trainer: pl.Trainer) -> dict[str, Any]:
     """What a group joining in the middle of a run takes from a peer besides the model and the protocol: the fit
@@ -88,12 +100,11 @@ def lightning_training_state(trainer: pl.Trainer) -> dict[str, Any]:
             "epoch": trainer.current_epoch, "global_step": trainer.global_step}
 
 
-def joined_checkpoint(trainer: pl.Trainer, received: Mapping[str, Any], optimizer_states: list[Any]) -> dict[str, Any]:
-    """A checkpoint in Lightning's format for the joining group's restore after set-up: its model as it is now
-    (the committed one), the peer's loops, schedulers and this local rank's optimizer state."""
+def joined_checkpoint(trainer: pl.Trainer, received: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint in Lightning's format for the joining group's restore after set-up: its model as it is now and
+    the peer's loops and schedulers (the optimizer state follows with the committed state: no restore of it)."""
     module = trainer.lightning_module
-    return {"state_dict": module.state_dict(), "optimizer_states": optimizer_states,
-            "pytorch-lightning_version": pl.__version__, **received}
+    return {"state_dict": module.state_dict(), "pytorch-lightning_version": pl.__version__, **received}
 
 
 def on_host(state: Any) -> Any:
@@ -216,15 +227,22 @@ class ReplicaGroups:
             self._syncs += 1  # the window it joined in, which the peer counts once it has ended it
             if joined["training"] is not None and joined["training"]["global_step"] > 0:
                 trainer = self.lightning_module.trainer
-                self._peer_checkpoint = joined_checkpoint(trainer, joined["training"], joined["optimizers"])
+                self._peer_checkpoint = joined_checkpoint(trainer, joined["training"])
                 trainer._checkpoint_connector._loaded_checkpoint = self._peer_checkpoint
                 self._resume_data_position = True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """Lightning's, but not while a heal's committed state is on its way: the optimizer state comes with it
+        (a ``ckpt_path`` file's is older)."""
+        return self._heal is None and super().lightning_restore_optimizer  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's, except for a group that joined a run in progress at this ``fit``'s set-up: its peer's live
         state is newer than any file it was started with (``fit(ckpt_path=...)``, e.g. the ``last`` of a restarted
-        job), so the peer's model, optimizer, loops and schedulers win; the file gives the rest (callbacks'
-        state, the data module's), its replicas and protocol state are dropped."""
+        job), so the peer's loops and schedulers win, and the model and optimizer state come with the peer's
+        committed state; the file gives the rest (callbacks' state, the data module's), its replicas and protocol
+        state are dropped."""
         saved = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         peer, self._peer_checkpoint = self._peer_checkpoint, None
         if peer is None:
@@ -267,48 +285,68 @@ class ReplicaGroups:
     def end_window(self, purpose: str) -> bool:
         """End this window between the groups (:meth:`~lightning_dist.strategies._replica_windows.FaultTolerantWindows.window`); True if it was committed.
 
-        A healed group's ranks may have received their optimizer states from different peers (torchft picks the
-        source per local rank); DDP keeps a group's ranks in step only from one state, so local rank 0's is
-        shared with the others."""
+        First a heal received in the background is taken (:meth:`complete_heal`). After the window, a group that
+        was a peer's source publishes its committed state, and a group healed here fetches it (or, if the window
+        was discarded, is healed again at the next quorum)."""
         assert self._windows is not None
+        self.complete_heal()
+        self._asked_for_state = False
         committed = self._windows.window(purpose, self.fault_tolerant_outer_step(), self.fault_tolerant_selection())
         self._replicas_in_sync = True  # every replica holds its group's committed model
-        if self._windows.quorum.healed and self.comm.world_size > 1:
-            self.share_committed_model()
-            self.share_optimizer_states()
+        quorum = self._windows.quorum
+        if committed and self._asked_for_state and self.comm.rank == 0:
+            state = self.committed_state()
+            quorum.transport.publish(quorum.manager.current_step(), state)
+            self.comm.stats.record("checkpoint", sum(t.numel() * t.element_size() for t in tensors_in(state)), 1,
+                                   "inter_node")
+        elif committed:
+            quorum.transport.withdraw()
+        if quorum.healed:
+            if committed:
+                self._heal = (quorum.transport.fetch_committed(quorum.manager.current_step(), quorum.timeout)
+                              if self.comm.rank == 0 and self._windows.healed_here else HEAL_ON_RANK_0)
+            else:
+                quorum.fall_behind()
         return committed
 
-    def share_committed_model(self) -> None:
-        """Local rank 0's committed model on every rank of a healed job: torchft heals each local rank from a group
-        it picks for that rank, and under FedAvg the groups' committed models differ."""
+    def complete_heal(self) -> None:
+        """Take the committed state a heal fetched in the background (waiting for it if it has not arrived) on every
+        rank of the job: local rank 0's, shared, as DDP keeps a group's ranks in step only from one state. The
+        window now ending is then the group's last to send zeros. If the fetch failed, the group is healed again at
+        the next quorum. A collective inside the job (whether a heal is pending is the same on every rank)."""
+        heal, self._heal = self._heal, None
+        if heal is None:
+            return
         assert self._windows is not None
-        committed = self.comm.broadcast_(self._windows.anchor.to(self.root_device), src=0, purpose="checkpoint")
-        self._windows.anchor.copy_(committed)
-        self.model_vector.set(committed)
+        state = None
+        if heal is not HEAL_ON_RANK_0:
+            try:
+                state = heal.result()
+            except (ConnectionError, PermissionError, ValueError, TimeoutError, RuntimeError) as error:
+                log.warning("lightning_dist: replica group %d: its peer's committed state did not arrive (%s); it "
+                            "is healed again at the next quorum", self.fault_tolerance.group(), error)
+        if self.group_any(self.comm.rank == 0 and state is None):
+            self._windows.quorum.fall_behind()
+            return
+        if self.comm.world_size > 1:
+            if self.comm.rank == 0:
+                payload = pack_replica(state)
+                for rank in range(1, self.comm.world_size):
+                    self.comm.send_object(payload, rank, "checkpoint", self.root_device)
+            else:
+                state = unpack_replica(self.comm.receive_object(0, self.root_device))
+        self.load_protocol_state_dict(reference_from_committed(state["protocol"], self.model_vector.num_parameters))
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+            _optimizer_to_device(optimizer, self.root_device)
+        self.model_vector.set(self._windows.anchor)
+        self._windows.catching_up = True
 
     def group_any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank of this job (an all-reduce of one integer inside it)."""
         total = self.comm.all_reduce_sum_(torch.tensor([int(flag)], dtype=torch.int64, device=self.root_device),
                                           "protocol")
         return bool(total[0] > 0)
-
-    def share_optimizer_states(self) -> None:
-        """Local rank 0's optimizer states (received from a peer) on every rank of the job, counted as
-        ``checkpoint``; kept for Lightning's restore while ``fit`` is being set up, else loaded now."""
-        joining = self._joined is not None
-        states = self._joined["optimizers"] if joining else [optimizer.state_dict() for optimizer in self.optimizers]
-        if self.comm.rank == 0:
-            payload = pack_replica({"optimizers": on_host(states)})
-            for rank in range(1, self.comm.world_size):
-                self.comm.send_object(payload, rank, "checkpoint", self.root_device)
-            return
-        states = unpack_replica(self.comm.receive_object(0, self.root_device))["optimizers"]
-        if joining:
-            self._joined["optimizers"] = states
-            return
-        for optimizer, saved in zip(self.optimizers, states):
-            optimizer.load_state_dict(saved)
-            _optimizer_to_device(optimizer, self.root_device)
 
     def fault_tolerant_selection(self) -> Select | None:
         """FedAvg's draw of the groups that average a window (None: every contributing group)."""
@@ -319,36 +357,36 @@ class ReplicaGroups:
         return None
 
     def recovery_state(self) -> dict[str, Any]:
-        """What this rank sends a group that is behind (torchft calls it in its quorum thread, while this rank's
-        training thread waits for the quorum): the committed model, protocol state, counters, this rank's optimizer
-        state and Lightning's training state; copies on the host, counted under ``checkpoint``."""
-        assert self._windows is not None
+        """What this rank sends a group that is behind inside the quorum (torchft calls it in its quorum thread,
+        while this rank's training thread waits for the quorum): counters, random generators and Lightning's
+        training state, a few kilobytes on the host, counted under ``checkpoint``. The bulk follows outside the
+        window (:meth:`committed_state`, published once the window is committed)."""
         trainer = self.lightning_module.trainer
-        protocol = reference_as_committed(self.protocol_state_dict(), self.model_vector.num_parameters)
-        state = on_host({"protocol": protocol, "generator": self._generator.get_state(),
-                         "rng": rng_states(self.root_device), "local_steps": self._local_steps, "syncs": self._syncs,
-                         "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+        self._asked_for_state = True
+        state = on_host({"generator": self._generator.get_state(), "rng": rng_states(self.root_device),
+                         "local_steps": self._local_steps, "syncs": self._syncs,
                          "training": lightning_training_state(trainer) if self.optimizers else None})
-        num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(state))
-        self.comm.stats.record("checkpoint", num_bytes, 1, "inter_node")
+        self.comm.stats.record("checkpoint", sum(t.numel() * t.element_size() for t in tensors_in(state)), 1,
+                               "inter_node")
         return state
 
     def load_recovery_state(self, state: Mapping[str, Any]) -> None:
-        """Take a peer's :meth:`recovery_state` (in torchft's quorum, before this window's exchange): the optimizer
-        state now if training has started, else kept for Lightning's restore after set-up."""
+        """Take a peer's :meth:`recovery_state` (in torchft's quorum, before this window's exchange); Lightning's
+        training state is kept for its restore after set-up if training has not started."""
         assert self._windows is not None
-        # the committed model with it (fault_tolerance_state), and DiLoCo's reference from it if sent once
-        self.load_protocol_state_dict(reference_from_committed(state["protocol"], self.model_vector.num_parameters))
         self._local_steps, self._syncs = state["local_steps"], state["syncs"]
         self._generator.set_state(state["generator"])  # FedAvg's draws, the same in every group
         restore_rng_states(state["rng"], self.root_device)  # dropout and the like, as the peer's (groups seed alike)
-        if self.optimizers:
-            for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-                optimizer.load_state_dict(saved)
-                _optimizer_to_device(optimizer, self.root_device)
-        else:
-            self._joined = {"optimizers": state["optimizers"], "training": state["training"]}
+        if not self.optimizers:
+            self._joined = {"training": state["training"]}
         self._windows.quorum.healed = True
+
+    def committed_state(self) -> dict[str, Any]:
+        """What this rank publishes for a group it healed in this window's quorum, once the window is committed: the
+        committed model and protocol state (DiLoCo's reference sent once) and this rank's optimizer state, copies
+        on the host."""
+        protocol = reference_as_committed(self.protocol_state_dict(), self.model_vector.num_parameters)
+        return on_host({"protocol": protocol, "optimizers": [optimizer.state_dict() for optimizer in self.optimizers]})
 
     def show_fault_tolerance(self) -> None:
         """The groups in the last quorum, commits and discarded windows in the progress bar once a window has ended

@@ -67,6 +67,8 @@ class FaultTolerantWindows:
         self.max_retries = max_retries
         self.discarded_in_a_row = 0  # during training
         self.last_committed = False
+        self.healed_here = False  # whether torchft healed this rank in the last window's quorum
+        self.catching_up = False  # whether this window's replica trained from a model the others had left
         self.unshown = False
         self.quorum.on_membership = self._log_membership
 
@@ -76,11 +78,13 @@ class FaultTolerantWindows:
         contributing group ends a ``"protocol"`` window (a group healed here may be ending its ``"setup"``, and a
         group its ``"final"``, while the others end a protocol window: they all follow the same vote)."""
         self.quorum.begin_window()
+        self.healed_here = self.quorum.healed
         self.quorum.healed = self.group_any(self.quorum.healed)
-        contributes = not self.quorum.healed
+        contributes = not (self.quorum.healed or self.catching_up)  # catching_up: the same on every rank of the job
+        self.catching_up = False
         if contributes:
             self.check_finite()
-        else:  # its replica is the committed model it received (a FedAvg round may leave it out)
+        else:  # its replica: its committed model (the peer's if it has taken it; a FedAvg round may leave it out)
             self.vector.set(self.anchor)
         self.quorum.count_contributors(contributes, self.anchor.device,
                                        vote=select is not None and purpose == "protocol")

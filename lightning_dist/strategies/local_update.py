@@ -118,6 +118,8 @@ class LocalUpdateStrategy(ReplicaGroups, ReplicaAveraging, ReplicaCheckpoints, D
         self._windows: FaultTolerantWindows | None = None
         self._joined: dict[str, Any] | None = None
         self._peer_checkpoint: dict[str, Any] | None = None
+        self._heal: Any = None  # a heal's committed state on its way (fault_tolerance: _fault_tolerance.py)
+        self._asked_for_state = False
         self._resume_data_position = False
         self._comm: Communicator | None = None
         self._vector: ModelVector | None = None
@@ -310,6 +312,7 @@ class LocalUpdateStrategy(ReplicaGroups, ReplicaAveraging, ReplicaCheckpoints, D
         server's global model in DownpourSGD.
         """
         if self._windows is not None:
+            self.complete_heal()  # a healed group's committed model is the one its peer published
             return self._windows.anchor.to(self.root_device, copy=True)
         return self.average_all(purpose)
 

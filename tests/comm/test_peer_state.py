@@ -163,7 +163,7 @@ def test_an_unauthenticated_request_gets_403_and_nothing_of_the_state(transports
     url = sender.metadata() + "7"
     status, body = raw_get(url, headers(url))
     assert status == 403
-    assert MARKER.encode() not in body and sender._payload[:64] not in body
+    assert MARKER.encode() not in body and sender._slots["state"].payload[:64] not in body
 
 
 def test_a_replayed_request_is_refused(transports, caplog):
@@ -309,3 +309,53 @@ def test_run_secret_reads_the_variable_or_the_file_stripped(monkeypatch, tmp_pat
     (tmp_path / "secret").write_text("\n  " + "f" * 20 + " \n")
     monkeypatch.setenv(SECRET_FILE_ENV, str(tmp_path / "secret"))
     assert run_secret() == b"f" * 20
+
+
+def healed_pair(transports, **kwargs):
+    """A source and a receiver that has taken the source's state of step 3 in a quorum (it knows its source)."""
+    source, receiver = transports(**kwargs), transports(**kwargs)
+    source.send_checkpoint([1], 3, {"counters": torch.tensor([3])}, TIMEOUT)
+    receiver.recv_checkpoint(0, source.metadata(), 3, TIMEOUT)
+    return source, receiver
+
+
+def test_the_committed_state_is_fetched_from_the_source_of_the_last_heal_even_when_asked_before_it_is_published(
+        transports):
+    source, receiver = healed_pair(transports)
+    source.publish(3, {"weight": torch.zeros(2)})  # an older commit, still served
+    future = receiver.fetch_committed(4, TIMEOUT)
+    time.sleep(0.3)
+    assert not future.done(), "answered before the state of step 4 was published"
+    state = nested_state()
+    source.publish(4, state)
+    assert_same(future.result(timeout=5), state)
+    with pytest.raises(ValueError, match="serves the state of step 4, this group asked for step 3"):
+        receiver.fetch_committed(3, TIMEOUT).result(timeout=5)  # a commit the source has left: named, not served
+
+
+def test_a_withdrawn_committed_state_is_no_longer_served_and_the_fetch_says_so(transports):
+    source, receiver = healed_pair(transports)
+    source.publish(4, {"weight": torch.ones(2)})
+    source.withdraw()
+    short = timedelta(seconds=0.5)
+    with pytest.raises(ConnectionError, match="committed/4 failed"):  # the server waits for a state to serve
+        receiver.fetch_committed(4, short).result(timeout=5)
+
+
+def test_the_committed_state_goes_to_holders_of_the_secret_only(transports):
+    source = transports()
+    stranger = transports(secret=b"another run's secret, 32 bytes!")
+    source.send_checkpoint([1], 3, {"counters": torch.tensor([3])}, TIMEOUT)
+    with pytest.raises(PermissionError):
+        stranger.recv_checkpoint(0, source.metadata(), 3, TIMEOUT)
+    source.publish(4, {"secret": torch.tensor([int.from_bytes(MARKER.encode()[:7], "big")])})
+    with pytest.raises(PermissionError, match="refused this group's request"):
+        stranger.fetch_committed(4, TIMEOUT).result(timeout=5)
+    url = source.metadata().replace("state/", "committed/4")
+    status, body = raw_get(url, {})
+    assert status == 403 and MARKER.encode()[:7] not in body
+
+
+def test_fetch_committed_needs_a_heal_first(transports):
+    with pytest.raises(RuntimeError, match="no peer to fetch from"):
+        transports().fetch_committed(1, TIMEOUT)

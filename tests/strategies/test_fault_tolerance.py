@@ -78,9 +78,10 @@ def runs(tmp_path_factory):
                                out / "join_lost_jobs", restart_group=2)
     results["join_lost"] = (codes, group_results(out / "join_lost_jobs", "join_lost", 3, 1, restarted=(2,), lost=(1,)))
     # Periodic averaging, one rank per group: group 2 dies at step 6 and is started again, and the first transfer of
-    # a peer's state to it fails (the others' window waits for it until the option's timeout, 10 s here).
-    codes = run_replica_groups(3, 1, {"name": "heal_fails", "max_steps": 20, "step_sleep": 0.1, "await_restart": 12,
-                                      "start_barrier": True, "timeout": 10, "heal_fails": True,
+    # a peer's state to it fails (the others' window waits for it until the option's timeout, 10 s here), and so does
+    # its first fetch of a peer's committed state after it.
+    codes = run_replica_groups(3, 1, {"name": "heal_fails", "max_steps": 28, "step_sleep": 0.1, "await_restart": 12,
+                                      "start_barrier": True, "timeout": 10, "heal_fails": True, "fetch_fails": True,
                                       "strategy": {"period": PERIOD}, "kill": {"group": 2, "step": 6}},
                                out / "heal_fails_jobs", restart_group=2)
     results["heal_fails"] = (codes, group_results(out / "heal_fails_jobs", "heal_fails", 3, 1, restarted=(2,)))
@@ -144,6 +145,22 @@ def runs(tmp_path_factory):
     return results
 
 
+def heal_and_catch_up(joined, survivors, groups, joiners=1):
+    """A joiner's first two windows from ``windows`` on: healed (the small state in the quorum), then catching up
+    (the committed state fetched meanwhile taken at its start); both committed, without its contribution (nor that
+    of the other ``joiners``). From the second on it holds the survivors' model after every window, and from the
+    third on it contributes."""
+    heal, catch_up, *later = [window for window in joined if window["purpose"] != "final"]  # fit's own window
+    assert heal["healed"] and heal["committed"] and heal["membership"]["contributors"] == groups - joiners
+    assert (catch_up["catching_up"], catch_up["healed"], catch_up["committed"]) == (True, False, True)
+    assert catch_up["local_steps"] == heal["local_steps"] + PERIOD
+    assert catch_up["membership"]["contributors"] == groups - joiners
+    assert all(window["membership"]["contributors"] == groups for window in later)
+    for window in [catch_up, *later]:
+        assert torch.equal(window["after"], survivors[window["local_steps"]]["after"]), window["local_steps"]
+    return heal, catch_up
+
+
 def windows_of(result):
     return [(window["purpose"], window["local_steps"], window["committed"], window["healed"],
              window["membership"]["groups"], window["membership"]["contributors"]) for window in result["windows"]]
@@ -166,30 +183,23 @@ def test_survivors_roll_back_a_failed_exchange_and_go_on(runs):
 def test_restarted_group_rejoins_with_the_live_state(runs):
     _, results = runs["rejoin"]
     joined = results["2_restart"][0]
-    first = joined["windows"][0]
-    assert first["purpose"] == "setup" and first["healed"] and first["committed"]
-    assert first["membership"]["contributors"] == first["membership"]["groups"] - 1  # its window was not counted
-    steps = first["local_steps"]
-    assert steps % PERIOD == 0 and 32 <= steps < 48
     survivor = {window["local_steps"]: window for window in results[0][0]["windows"]}
-    # Bit for bit the others' model after its first window (DiLoCo's reference and momentum came from a peer), and
-    # every window after it with all three contributing.
-    assert torch.equal(first["after"], survivor[steps]["after"])
-    for window in joined["windows"][1:]:
-        assert window["membership"]["contributors"] == 3 and torch.equal(window["after"],
-                                                                         survivor[window["local_steps"]]["after"])
+    heal, catch_up = heal_and_catch_up(joined["windows"], survivor, 3)
+    assert heal["purpose"] == "setup"
+    steps = heal["local_steps"]
+    assert steps % PERIOD == 0 and 32 <= steps < 48
     assert joined["global_step"] == 48
     assert torch.equal(joined["final"], results[0][0]["final"]) and torch.equal(joined["final"], results[1][0]["final"])
-    # It trained on from the peer's optimizer and schedule: one survivor's Adam moments and step counts at that
-    # window (the two survivors' differ: each trained on its own shard) and their learning rate, halved by StepLR
-    # at the first epoch's end.
+    # Bit for bit the others' model after its catch-up window: the survivors' DiLoCo outer step from their mean, which
+    # it took from the committed model, DiLoCo's reference and momentum it fetched meanwhile. Its optimizer state
+    # is one survivor's as that survivor committed the heal window (the two survivors' differ: each trained on its
+    # own shard), its schedule the peers' (StepLR halved the rate at the first epoch's end).
     sources = [{w["local_steps"]: w for w in results[group][0]["windows"]}[steps]["optimizer"] for group in (0, 1)]
-    start = joined["start_optimizer"]
-    assert joined["start_step"] == steps and start["lr"] == sources[0]["lr"] == sources[1]["lr"] == 0.005
-    assert [same_state(start["state"], source["state"]) for source in sources].count(True) == 1
-    # The live state a survivor sent, counted at the sender: the committed model once (DiLoCo's reference is its
-    # parameters, not sent again), DiLoCo's momentum, Adam's two moments, the generators' states (FedAvg's shared
-    # one, torch's and NumPy's), and a few bytes of counters.
+    assert joined["start_step"] == steps and catch_up["optimizer"]["lr"] == sources[0]["lr"] == sources[1]["lr"] == 0.005
+    assert [same_state(catch_up["optimizer"]["state"], source["state"]) for source in sources].count(True) == 1
+    # The state a survivor sent, counted at the sender: in the quorum, the generators' states (FedAvg's shared one,
+    # torch's and NumPy's) and a few bytes of counters; after the window, the committed model once (DiLoCo's
+    # reference is its parameters, not sent again), DiLoCo's momentum and Adam's two moments.
     model, parameters = joined["final"].numel(), sum(parameter.numel() for parameter in DigitsCNN().parameters())
     generators = 2 * torch.get_rng_state().numel() + 624 * 8  # two torch generators' bytes, NumPy's 624 int64 keys
     sent = sum(results[group][0]["comm"].bytes_by_purpose["checkpoint"] for group in (0, 1))
@@ -205,7 +215,7 @@ def test_a_restart_with_ckpt_path_takes_the_peers_state_over_its_file(runs):
     assert joined["ckpt_path"] is not None and joined["ckpt_path"].endswith("step=8.ckpt")
     steps = joined["windows"][0]["local_steps"]
     assert joined["start_step"] == steps >= 32 and joined["global_step"] == 48
-    assert torch.equal(joined["start"], joined["windows"][0]["after"])  # the committed model, not the file's replica
+    assert torch.equal(joined["start"], joined["windows"][0]["after"])  # the model it joined with, not the file's
     assert joined["syncs"] == results[0][0]["syncs"]  # the window it joined in counted, as the peer counts it
 
 
@@ -244,7 +254,7 @@ def test_groups_restarted_together_wait_for_a_live_peer_instead_of_starting_over
         last = setups[-1]
         assert last["healed"] and last["committed"] and last["membership"]["groups"] == 3
         assert joined["start_step"] == last["local_steps"] == 12 and joined["global_step"] == 20
-        assert torch.equal(last["after"], survivor[12]["after"])
+        heal_and_catch_up(joined["windows"][len(setups) - 1:], survivor, 3, joiners=2)
         assert torch.equal(joined["final"], results[0][0]["final"])
 
 
@@ -341,8 +351,7 @@ def test_a_group_rejoins_a_compressed_run_with_a_zero_delta(runs):
     assert (first["membership"]["groups"], first["membership"]["contributors"], first["rank"]) == (3, 2, 2)
     # The survivors' deltas, divided by the 2 contributors: the joiner sent zeros (its window is the others' past).
     assert torch.equal(survivors[0][16]["after"], compressed_window(survivors, 16, contributors=2, joiner=True)[0])
-    assert all(torch.equal(window["after"], survivors[0][window["local_steps"]]["after"])
-               for window in joined["windows"])
+    heal_and_catch_up(joined["windows"], survivors[0], 3)
     assert torch.equal(joined["final"], results[0][0]["final"])
     # Bytes, counted at the sender between groups: its int8 pieces of the two chunks it does not own, its piece of
     # the mean to both others, and the buffers' all-reduce (float32) as a ring's share, once per window; and the
@@ -381,7 +390,7 @@ def test_a_failed_compressed_exchange_between_nodes_rolls_back_and_a_restarted_n
         stop = start + windows[0][12]["compression_before"][0]["common"].numel()
         mean, residuals, _ = compressed_window(windows, 12, start=start)
         joining = compressed_window(windows, 16, contributors=2, joiner=True, start=start)[0]
-        for holder in [*survivors.values(), *joined]:
+        for holder in survivors.values():
             assert torch.equal(holder[16]["after"][start:stop], joining)
         for holder in survivors.values():
             assert torch.equal(holder[12]["after"][start:stop], mean)
@@ -389,9 +398,9 @@ def test_a_failed_compressed_exchange_between_nodes_rolls_back_and_a_restarted_n
             assert torch.equal(windows[group][12]["compression_after"][0]["residual"], residuals[group])
         start = stop
     assert start == survivors[0, 0][12]["after"].numel()
-    # From then on every rank of the three nodes holds the same model after every window, and at the end.
+    # From its catch-up window on every rank of the three nodes holds the same model after every window, and at the end.
     for rank in (0, 1):
-        assert all(torch.equal(window["after"], survivors[0, 0][step]["after"]) for step, window in joined[rank].items())
+        heal_and_catch_up(results["2_restart"][rank]["windows"], survivors[0, 0], 3)
         assert torch.equal(results["2_restart"][rank]["final"], results[0][0]["final"])
         assert results["2_restart"][rank]["global_step"] == 24
 
@@ -407,8 +416,7 @@ def test_a_join_whose_window_is_discarded_joins_at_the_next_one(runs):
     assert (second["purpose"], second["committed"], second["healed"]) == ("setup", True, True)
     assert second["local_steps"] == first["local_steps"] + PERIOD and joined["start_step"] == second["local_steps"]
     survivor_windows = {window["local_steps"]: window for window in survivor["windows"]}
-    assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
-               for window in joined["windows"][1:])
+    heal_and_catch_up(joined["windows"][1:], survivor_windows, 2)  # group 1 is lost
     assert joined["global_step"] == survivor["global_step"] == 28 and torch.equal(joined["final"], survivor["final"])
 
 
@@ -417,8 +425,7 @@ def test_a_join_whose_state_never_arrives_joins_at_the_next_window(runs):
     assert codes[0] == codes[1] == codes[3] == 0 and codes[2] != 0
     survivor, joined = results[0][0], results["2_restart"][0]
     # torchft tried to heal it, the transfer failed: no state (its own step count), the window discarded everywhere.
-    # It is still behind, is healed at the others' next window, and takes Lightning's loops there: every group ends
-    # at step 20.
+    # It is still behind, is healed at the others' next window, and takes Lightning's loops there.
     first, second = joined["windows"][:2]
     assert (first["purpose"], first["committed"], first["healed"], first["behind"]) == ("setup", False, False, True)
     assert first["local_steps"] == 0
@@ -426,9 +433,13 @@ def test_a_join_whose_state_never_arrives_joins_at_the_next_window(runs):
     assert joined["start_step"] == second["local_steps"]
     survivor_windows = {window["local_steps"]: window for window in survivor["windows"]}
     assert not survivor_windows[second["local_steps"] - PERIOD]["committed"]
-    assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
-               for window in joined["windows"][1:])
-    assert joined["global_step"] == survivor["global_step"] == 20 and torch.equal(joined["final"], survivor["final"])
+    # Its fetch of the committed state after that heal failed too: at the next window it is healed again (the
+    # others commit it without it), catches up at the one after, and ends at step 28 with the others' model.
+    third = joined["windows"][2]
+    assert (third["catching_up"], third["healed"], third["committed"]) == (True, True, True)
+    assert third["membership"]["contributors"] == 2 and survivor_windows[third["local_steps"]]["committed"]
+    heal_and_catch_up(joined["windows"][2:], survivor_windows, 3)
+    assert joined["global_step"] == survivor["global_step"] == 28 and torch.equal(joined["final"], survivor["final"])
 
 
 def test_a_node_whose_state_arrives_on_one_rank_only_joins_whole_at_the_next_window(runs):
@@ -446,15 +457,15 @@ def test_a_node_whose_state_arrives_on_one_rank_only_joins_whole_at_the_next_win
         second = joined[rank]["windows"][1]
         assert (second["purpose"], second["committed"], second["healed"]) == ("setup", True, True)
         assert joined[rank]["start_step"] == second["local_steps"] == firsts[0]["local_steps"] + PERIOD
-        assert all(torch.equal(window["after"], survivor_windows[window["local_steps"]]["after"])
-                   for window in joined[rank]["windows"][1:])
+        heal_and_catch_up(joined[rank]["windows"][1:], survivor_windows, 3)
         assert joined[rank]["global_step"] == 20 and torch.equal(joined[rank]["final"], survivor["final"])
     # One optimizer state in the group, one survivor's at that window (DDP inside the group needs them equal).
     steps = joined[0]["start_step"]
-    assert same_state(joined[1]["start_optimizer"]["state"], joined[0]["start_optimizer"]["state"])
+    caught_up = [ranks["windows"][2]["optimizer"]["state"] for ranks in joined]
+    assert same_state(caught_up[1], caught_up[0])
     sources = [{w["local_steps"]: w for w in results[group][0]["windows"]}[steps]["optimizer"]["state"]
                for group in (0, 1)]
-    assert [same_state(joined[0]["start_optimizer"]["state"], source) for source in sources].count(True) == 1
+    assert [same_state(caught_up[0], source) for source in sources].count(True) == 1
 
 
 def test_fedavg_draws_among_the_groups_present_and_a_restarted_group_rejoins(runs):
@@ -467,8 +478,9 @@ def test_fedavg_draws_among_the_groups_present_and_a_restarted_group_rejoins(run
     assert windows[3][rejoin]["healed"] and windows[3][rejoin]["membership"]["contributors"] == 3 and rejoin > 8
     generator = torch.Generator().manual_seed(0)  # the strategy's seed: the draws of FedAvg without the option
     for step in range(PERIOD, 20 + 1, PERIOD):
-        # Group 3 contributes at step 4, is dead at step 8 (killed at step 6), healed (no contribution) at its rejoin.
-        present = [0, 1, 2] + [3] * (step == PERIOD or step > rejoin)
+        # Group 3 contributes at step 4, is dead at step 8 (killed at step 6), healed (no contribution) at its rejoin
+        # and catching up at the next window.
+        present = [0, 1, 2] + [3] * (step == PERIOD or step > rejoin + PERIOD)
         averaged = sample_participants(4, 0.5, generator, present)
         recorded = [group for group in present if step in windows[group]]  # group 3's first job wrote nothing
         mean = None
@@ -482,9 +494,11 @@ def test_fedavg_draws_among_the_groups_present_and_a_restarted_group_rejoins(run
                 assert torch.equal(window["after"], window["before"]), (step, group)
             elif mean is not None:
                 assert torch.equal(window["after"], mean), (step, group)
-    # The restarted group joins with a survivor's committed model (FedAvg's groups hold different ones) and the draws'
-    # generator (the draws above agree in every group after it).
-    assert any(torch.equal(windows[3][rejoin]["after"], windows[group][rejoin - PERIOD]["after"]) for group in range(3))
+    # The restarted group catches up with a survivor's committed model of its heal window (FedAvg's groups hold
+    # different ones; it is not drawn in its catch-up window) and the draws' generator (the draws above agree in
+    # every group after it).
+    assert windows[3][rejoin + PERIOD]["catching_up"] and windows[3][rejoin + PERIOD]["averaged"] is not None
+    assert any(torch.equal(windows[3][rejoin + PERIOD]["after"], windows[group][rejoin]["after"]) for group in range(3))
     # fit ends with a window of all four (after FedAvg's last round, as the consensus without the option).
     assert all(job["windows"][-1]["purpose"] == "final" and torch.equal(job["final"], jobs[0]["final"]) for job in jobs)
 
@@ -494,19 +508,22 @@ def test_a_restarted_group_of_two_ranks_rejoins_with_one_optimizer_state(runs):
     joined = results["2_restart"]
     first = joined[0]["windows"][0]
     steps = first["local_steps"]
-    assert first["purpose"] == "setup" and first["healed"] and first["committed"] and 12 <= steps < 20
+    assert first["purpose"] == "setup" and 12 <= steps < 20
     survivors = [{window["local_steps"]: window for window in results[group][0]["windows"]} for group in (0, 1)]
+    # The survivors' window in which it catches up is their mean, by definition, bit for bit on every rank of the
+    # three groups (it sends zeros; the mean is of the 2 contributors).
+    mean = (survivors[0][steps + PERIOD]["before"] + survivors[1][steps + PERIOD]["before"]) / 2
+    for holder in [*(results[group][rank] for group in (0, 1) for rank in (0, 1)), *joined]:
+        assert torch.equal({w["local_steps"]: w for w in holder["windows"]}[steps + PERIOD]["after"], mean)
     for rank in (0, 1):
-        # Both ranks hold the others' model after every window, and one optimizer state: torchft heals each local
-        # rank from the group it picks for it; local rank 0's is shared, as DDP inside the group needs.
-        assert all(torch.equal(window["after"], survivors[0][window["local_steps"]]["after"])
-                   for window in joined[rank]["windows"])
-        assert same_state(joined[rank]["start_optimizer"]["state"], joined[0]["start_optimizer"]["state"])
+        # Both ranks hold the others' model after every window from then on, and one optimizer state: local rank 0
+        # fetched one survivor's committed state and shared it, as DDP inside the group needs.
+        heal_and_catch_up(joined[rank]["windows"], survivors[0], 3)
+        assert same_state(joined[rank]["windows"][1]["optimizer"]["state"], joined[0]["windows"][1]["optimizer"]["state"])
         assert joined[rank]["global_step"] == 20
-    # ... the momentum buffers of one survivor at that window (the two survivors' differ: their own shards).
+    # ... the momentum buffers of one survivor at its heal window (the two survivors' differ: their own shards).
     sources = [survivors[group][steps]["optimizer"]["state"] for group in (0, 1)]
-    assert [same_state(joined[0]["start_optimizer"]["state"], source) for source in sources].count(True) == 1
-    assert all(window["membership"]["contributors"] == 3 for window in joined[0]["windows"][1:])
+    assert [same_state(joined[0]["windows"][1]["optimizer"]["state"], source) for source in sources].count(True) == 1
 
 
 def test_no_failure_equals_the_run_without_the_option(runs):
@@ -567,7 +584,7 @@ def test_two_runs_that_share_a_lighthouse_are_refused_by_name(tmp_path):
     """A run's group 0 and another run's group 0 (another secret) on one Lighthouse meet in one quorum: each stops
     with the error that names the cause, before anything is averaged or any state sent."""
     spec = {"name": "two_runs", "max_steps": 8, "copy_secret": "another run's secret, 16+ bytes",
-            "strategy": {"period": PERIOD}}
+            "start_barrier": True, "copy_in_barrier": True, "strategy": {"period": PERIOD}}
     codes = run_replica_groups(1, 1, spec, tmp_path, duplicate_group=0, timeout=240)
     assert codes[0] != 0 and codes[1] != 0
     refusal = "met replica groups of another run in its quorum"

@@ -11,7 +11,8 @@ of a compressed one; ``"rejoined": true`` instead of ``"window"``: in the first 
 fewer, where a restarted group joins; ``"local_rank": j``: on that local rank only; ``"fail_only": true``: the failure
 reaches that rank's exchange, torchft's error reported there, and its process lives on). A restarted job (the
 ``restart`` argument) injects nothing there; with ``"heal_fails": true`` its first transfer of a peer's state fails
-(the checkpoint transport raises, as when the peer is lost mid-transfer; a list of local ranks: on those ranks only).
+(the checkpoint transport raises, as when the peer is lost mid-transfer; a list of local ranks: on those ranks only),
+and with ``"fetch_fails": true`` its first fetch of a peer's committed state after a heal fails likewise.
 ``"timeout"``: the option's, in seconds (30). Each window records the model before and after it and, under
 ``compression``, the compressed state of every bucket before and after it.
 
@@ -21,7 +22,8 @@ secret if given (another run's group), and with ``"copy_after_setup"`` waits unt
 window. Every job's groups, Lighthouse and secret come from ``run_replica_groups``.
 
 ``"start_barrier"`` makes every group's job wait, once its torchft Manager heartbeats, for the others' to, so the
-first quorum has every group (a group whose Manager the Lighthouse has not heard of yet is not waited for).
+first quorum has every group (a group whose Manager the Lighthouse has not heard of yet is not waited for);
+``"copy_in_barrier"``: the copy's job too.
 ``"await_restart": STEP`` holds the other groups after optimizer step STEP until every restarted (or copied) job asks
 for its first quorum (then ``"hold_s"`` seconds more), so it rejoins a run still in progress however slowly it starts
 (the Lighthouse forms a quorum of the previous one's groups without waiting for a newcomer that has not asked yet).
@@ -74,7 +76,7 @@ class Record(Callback):
         self.start = trainer.strategy.model_vector.get().clone()
         windows = trainer.strategy._windows
         self.anchor = None if windows is None else windows.anchor.clone()  # the committed model training starts with
-        self.optimizer = optimizer_summary(trainer.optimizers[0])  # a joiner's: a peer's, restored by Lightning
+        self.optimizer = optimizer_summary(trainer.optimizers[0])
         self.start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -124,6 +126,7 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first
         before = strategy.model_vector.get().clone()
         rng_before = torch.get_rng_state()
         compression = compression_state(strategy)
+        catching_up = strategy._heal is not None or strategy._windows.catching_up  # this window sends zeros after a heal
         committed = end_window(purpose)
         calls["fewer"] |= strategy._windows.quorum.membership.groups < strategy._windows.quorum.groups
         if setup_mark is not None and purpose == "setup":
@@ -131,6 +134,7 @@ def record_windows(strategy: PeriodicAveragingStrategy, kill: dict | None, first
         optimizer = strategy.optimizers[0] if strategy.optimizers else None
         windows.append({"purpose": purpose, "before": before, "after": strategy.model_vector.get().clone(),
                         "committed": committed, "healed": strategy._windows.quorum.healed,
+                        "catching_up": catching_up,
                         "behind": strategy._windows.quorum.behind,
                         "compression_before": compression, "compression_after": compression_state(strategy),
                         "rank": strategy._windows.quorum.rank, "averaged": strategy._windows.averaged,
@@ -196,6 +200,25 @@ def fail_first_heal() -> None:
     AuthenticatedStateTransport.recv_checkpoint = failing
 
 
+def fail_first_fetch() -> None:
+    """This process's first fetch of a peer's committed state fails (as when the peer is lost before it is sent)."""
+    from concurrent.futures import Future
+
+    from lightning_dist.comm.peer_state import AuthenticatedStateTransport
+
+    fetch, calls = AuthenticatedStateTransport.fetch_committed, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            return fetch(self, *args, **kwargs)
+        failed = Future()
+        failed.set_exception(ConnectionError("injected: the peer's committed state did not arrive"))
+        return failed
+
+    AuthenticatedStateTransport.fetch_committed = failing
+
+
 def wait_for(condition, what: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -216,11 +239,12 @@ def after_manager(strategy: PeriodicAveragingStrategy, then) -> None:
     strategy.replica_group_hierarchy = made
 
 
-def wait_for_others(barrier: Path, group: int, groups: int) -> None:
+def wait_for_others(barrier: Path, job: str, jobs: int) -> None:
+    """Mark this rank of ``job`` at ``barrier`` and wait for every rank of the ``jobs`` jobs to have marked it."""
     barrier.mkdir(parents=True, exist_ok=True)
-    (barrier / f"{group}_{os.environ['LOCAL_RANK']}").touch()
+    (barrier / f"{job}_{os.environ['LOCAL_RANK']}").touch()
     ranks = int(os.environ["LOCAL_WORLD_SIZE"])
-    wait_for(lambda: len(list(barrier.iterdir())) >= groups * ranks, f"the other groups at {barrier}")
+    wait_for(lambda: len(list(barrier.iterdir())) >= jobs * ranks, f"the other groups at {barrier}")
     time.sleep(0.5)  # the others' heartbeats reach the Lighthouse (every 100 ms)
 
 
@@ -267,9 +291,11 @@ def main() -> None:
         failing = spec.get("heal_fails")
         if restart and (failing is True or int(os.environ["LOCAL_RANK"]) in (failing or ())):
             fail_first_heal()
-        if spec.get("start_barrier") and not restart:
-            after_manager(strategy, lambda: wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", group,
-                                                            spec["groups"]))
+        if restart and spec.get("fetch_fails"):
+            fail_first_fetch()
+        if spec.get("start_barrier") and (not restart or spec.get("copy_in_barrier") and sys.argv[3] == "copy"):
+            job, jobs = f"{group}{sys.argv[3] if restart else ''}", spec["groups"] + bool(spec.get("copy_in_barrier"))
+            after_manager(strategy, lambda: wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", job, jobs))
     restarted_marks = [Path(spec["out"]) / f"{spec['name']}_restarted{other}" for other in spec.get("restarted", ())]
     hold = ((spec["await_restart"], restarted_marks, spec.get("hold_s", 0.0))
             if "await_restart" in spec and not restart and not kill else None)
