@@ -48,6 +48,7 @@ from typing import Any
 from benchmarks.common import netns
 from benchmarks.common.launch import worker_env
 from benchmarks.common.paths import BENCHMARKS, REPO, RESULTS
+from benchmarks.common.process import kill_tree
 from benchmarks.common.report import command_line, one_figure, publish, pyplot, replot, save_figure
 from lightning_dist.comm.peer_state import SECRET_ENV
 from benchmarks.language_model.network import DILOCO_OUTER, DILOCO_PERIOD, EVAL_SEQUENCES, HEADLINE_MBIT, TASK
@@ -78,58 +79,89 @@ def draw_kill(seed: int) -> dict[str, int]:
 def launch_way(network: netns.Network, way: str, seed: int, kill: dict[str, int] | None, work: Path) -> dict[str, Any]:
     """One launch of ``way``: its processes until they exit, then every process's journal."""
     name = f"{way}{seed}"
-    spec = {"name": name, "seed": seed, "groups": GROUPS, "period": DILOCO_PERIOD, "max_steps": MAX_STEPS,
-            "outer": DILOCO_OUTER, "data": TASK["data"], "model": TASK["model"], "kill": kill,
-            "checkpoint_every": CHECKPOINT_EVERY, "snapshot_every_s": SNAPSHOT_EVERY_S, "epoch": time.time(),
-            "work_dir": str(work), "lighthouse": f"http://{network.address(0)}:{LIGHTHOUSE_PORT}",
-            "tolerant": way != "torchrun_restart"}
+    spec = {**common_spec(network, name, seed, work), "max_steps": MAX_STEPS, "snapshot_every_s": SNAPSHOT_EVERY_S,
+            "kill": kill, "tolerant": way != "torchrun_restart"}
+    codes = run_groups(network, spec, int(way in ("restarted", "torchrun_restart")), work)
+    expected_failures = {kill["group"]} if kill and way == "killed" else set()
+    failed = [group for group, code in enumerate(codes) if code != 0 and group not in expected_failures]
+    if failed:
+        raise RuntimeError(f"{name}: groups {failed} exited {[codes[g] for g in failed]}; see {work}/{name}.*.log")
+    return {"way": way, "seed": seed, "kill": kill, "epoch": spec["epoch"], "exit_codes": codes,
+            "journals": read_journals(work, name)}
+
+
+def common_spec(network: netns.Network, name: str, seed: int, work: Path) -> dict[str, Any]:
+    """What every launch of the LM over the groups tells ``failure_worker.py``, but for its steps, kills, snapshot
+    grid and way (``max_steps``, ``kill`` or ``kills``, ``snapshot_every_s``, ``tolerant``)."""
+    return {"name": name, "seed": seed, "groups": GROUPS, "period": DILOCO_PERIOD, "outer": DILOCO_OUTER,
+            "data": TASK["data"], "model": TASK["model"], "checkpoint_every": CHECKPOINT_EVERY, "epoch": time.time(),
+            "work_dir": str(work), "lighthouse": f"http://{network.address(0)}:{LIGHTHOUSE_PORT}"}
+
+
+def run_groups(network: netns.Network, spec: dict[str, Any], restarts: int, work: Path, timeout_s: float = TIMEOUT_S,
+               straggler_s: float | None = None) -> list[int | None]:
+    """Run ``spec``: with ``spec["tolerant"]``, a Lighthouse in namespace 0 and one torchrun job per group, else one
+    torchrun job over the groups' namespaces; each agent restarts its workers up to ``restarts`` times. Returns the
+    groups' exit codes (:func:`wait_groups`)."""
+    name, tolerant = spec["name"], bool(spec["tolerant"])
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     env = {**worker_env(), SECRET_ENV: secrets.token_hex(16)}  # the launch's groups share one secret
-    if way == "torchrun_restart":
+    if not tolerant:
         # torchrun's agents share their rendezvous store with the workers by default, and a restart round then
         # mixes attempts (each agent counts its own restarts): workers read a previous round's addresses
         # (pytorch/pytorch#135712, seen here as Gloo's "connection refused" in the restarted round). Off, as advised.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
-    restarts = "--max-restarts=1" if way in ("restarted", "torchrun_restart") else "--max-restarts=0"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--max-restarts={restarts}"]
     lighthouse = None
-    if way != "torchrun_restart":
+    if tolerant:
         binary = Path(sys.executable).with_name("torchft_lighthouse")
         lighthouse = network.run(0, [str(binary), "--bind", f"[::]:{LIGHTHOUSE_PORT}", *LIGHTHOUSE_FLAGS],
                                  env=env, stdout=(work / f"{name}.lighthouse.log").open("w"),
                                  stderr=subprocess.STDOUT)
     processes = []
     for group in range(GROUPS):
-        if way == "torchrun_restart":
-            argv = [*torchrun, f"--nnodes={GROUPS}", restarts, "--rdzv-backend=c10d",
+        if tolerant:
+            argv = [*torchrun, "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={MASTER_PORT}",
+                    str(WORKER), str(spec_path), str(group)]
+        else:
+            argv = [*torchrun, f"--nnodes={GROUPS}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={network.address(0)}:{MASTER_PORT}", f"--rdzv-id={name}",
                     f"--local_addr={network.address(group)}",
                     # torchrun tells the store's host by the machine's hostname, which names the host outside the
                     # namespaces: node 0 is told.
                     f"--rdzv-conf=is_host={str(group == 0).lower()}", str(WORKER), str(spec_path), str(group)]
-        else:
-            argv = [*torchrun, "--nnodes=1", restarts, "--master_addr=127.0.0.1", f"--master_port={MASTER_PORT}",
-                    str(WORKER), str(spec_path), str(group)]
         with (work / f"{name}.{group}.log").open("w") as log:
             processes.append(network.run(group, argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-    began = time.monotonic()
-    codes = []
-    for process in processes:
-        try:
-            codes.append(process.wait(max(TIMEOUT_S - (time.monotonic() - began), 1.0)))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    if lighthouse is not None:
-        lighthouse.terminate()
-        lighthouse.wait()
-    journals = {path.name.removeprefix(f"{name}.").removesuffix(".jsonl"): read_journal(path)
-                for path in sorted(work.glob(f"{name}.*.jsonl"))}
-    expected_failures = {kill["group"]} if kill and way == "killed" else set()
-    failed = [group for group, code in enumerate(codes) if code != 0 and group not in expected_failures]
-    if failed:
-        raise RuntimeError(f"{name}: groups {failed} exited {[codes[g] for g in failed]}; see {work}/{name}.*.log")
-    return {"way": way, "seed": seed, "kill": kill, "epoch": spec["epoch"], "exit_codes": codes, "journals": journals}
+    try:
+        return wait_groups(processes, timeout_s, straggler_s)
+    finally:
+        if lighthouse is not None:
+            lighthouse.terminate()
+            lighthouse.wait()
+
+
+def wait_groups(processes: list[subprocess.Popen], timeout_s: float, straggler_s: float | None) -> list[int | None]:
+    """The groups' exit codes; None for a group stopped (with every process under its agent) because it still ran
+    ``timeout_s`` after the start or ``straggler_s`` after a group's job ended cleanly. A group restarted too late to
+    be healed by a live peer would wait for its quorum timeout (30 min)."""
+    deadline = time.monotonic() + timeout_s
+    while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
+        if straggler_s is not None and any(process.returncode == 0 for process in processes):
+            deadline = min(deadline, time.monotonic() + straggler_s)
+        time.sleep(0.5)
+    stopped = [process.poll() is None for process in processes]
+    for process, stop in zip(processes, stopped):
+        if stop:
+            kill_tree(process.pid)
+            process.wait()
+    return [None if stop else process.returncode for process, stop in zip(processes, stopped)]
+
+
+def read_journals(work: Path, name: str) -> dict[str, list[dict[str, Any]]]:
+    """Every process's journal of launch ``name``, by ``<group>.<incarnation>``."""
+    return {path.name.removeprefix(f"{name}.").removesuffix(".jsonl"): read_journal(path)
+            for path in sorted(work.glob(f"{name}.*.jsonl"))}
 
 
 def read_journal(path: Path) -> list[dict[str, Any]]:
@@ -203,7 +235,29 @@ def restart_record(launch: dict[str, Any]) -> dict[str, Any] | None:
         joined = events(again, "joined")
         if joined:
             record["joined_after_up_s"] = joined[0]["time"] - up["time"]
+            record.update(heal_windows(launch, again, killed, start["step"]))
     return record
+
+
+def heal_windows(launch: dict[str, Any], again: list[dict[str, Any]], killed: dict[str, Any],
+                 joined_step: int) -> dict[str, Any]:
+    """How long the survivors' windows took where the returning group was healed (``joined_step``) and where it
+    caught up (the next), against their other windows after the first (median); and from the kill to the end of
+    its catch-up window, from where it contributes."""
+    survivors = [journal for tag, journal in launch["journals"].items()
+                 if not tag.startswith(f"{launch['kill']['group']}.")]
+
+    def longest(step: int) -> float | None:
+        spans = [event["time"] - event["began"] for journal in survivors for event in events(journal, "window")
+                 if event["step"] == step]
+        return max(spans) if spans else None
+
+    others = [event["time"] - event["began"] for journal in survivors for event in events(journal, "window")
+              if event["step"] not in (0, joined_step, joined_step + DILOCO_PERIOD)]
+    catch_up = [event for event in events(again, "window") if event["step"] == joined_step + DILOCO_PERIOD]
+    return {"heal_window_s": longest(joined_step), "catch_up_window_s": longest(joined_step + DILOCO_PERIOD),
+            "other_windows_median_s": statistics.median(others) if others else None,
+            "contributing_after_kill_s": catch_up[0]["time"] - killed["time"] if catch_up else None}
 
 
 def summarize_launch(launch: dict[str, Any], curve: list[dict[str, Any]], target: float) -> dict[str, Any]:

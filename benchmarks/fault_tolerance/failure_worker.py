@@ -20,7 +20,11 @@ namespace interface's byte counters. A snapshot is the replica's parameters
 (``<work>/snapshots/<name>.<group>.<incarnation>.<k>.pt``), taken at the first step end after
 ``epoch + k * every`` seconds, so the scorer averages the groups' replicas on one grid. The group
 ``spec["kill"]["group"]`` SIGKILLs itself at the end of step ``spec["kill"]["step"]``, once
-(``<work>/<name>.killed`` marks it done).
+(``<work>/<name>.killed`` marks it done). ``spec["kills"]`` (``benchmarks/fault_tolerance/goodput.py``) is a list of
+timed kills, ``{"group": g, "after": s}``: group ``g`` SIGKILLs itself at its first step end at least ``s`` seconds
+after the training origin, once per kill (``<work>/<name>.killed.<index>`` marks it done), so a kill that falls
+while its group is down or writing a checkpoint comes at its first step end after that. The origin is the first
+group's start of training (``<work>/<name>.origin``, written by that group), which no launcher knows in advance.
 """
 
 from __future__ import annotations
@@ -65,31 +69,77 @@ class Journal:
         self._file.flush()
 
 
+class TimedKills:
+    """A launch's timed kills (``spec["kills"]``) as one group sees them: its own, due by seconds from the origin."""
+
+    def __init__(self, kills: list[dict[str, Any]], group: int, work: Path, name: str) -> None:
+        self.after = {index: float(kill["after"]) for index, kill in enumerate(kills) if int(kill["group"]) == group}
+        self.work, self.name = work, name
+        self.origin: float | None = None
+
+    def start(self, now: float) -> None:
+        """At this process's start of training: the launch's origin, set here by the first group to get there."""
+        path = self.work / f"{self.name}.origin"
+        draft = path.with_name(f"{path.name}.{os.getpid()}")
+        draft.write_text(repr(now))
+        try:
+            os.link(draft, path)  # exclusive and atomic: no group reads a half-written origin
+        except FileExistsError:
+            pass
+        draft.unlink()
+        self.origin = float(path.read_text())
+
+    def due(self, now: float) -> list[int]:
+        """The indices of this group's kills due at ``now`` and not done yet (several, if they fell while it was
+        down: one death serves them all)."""
+        if self.origin is None:
+            return []
+        return [index for index, after in self.after.items()
+                if now >= self.origin + after and not self.marker(index).exists()]
+
+    def marker(self, index: int) -> Path:
+        return self.work / f"{self.name}.killed.{index}"
+
+
 class Recorder(Callback):
-    """Step ends, snapshots on the shared wall-clock grid, and the planned kill."""
+    """Step ends, snapshots on the shared wall-clock grid, and the planned kills."""
 
     def __init__(self, journal: Journal, snapshots: Path, tag: str, epoch: float, every_s: float,
-                 kill_step: int | None, killed_marker: Path) -> None:
+                 kill_step: int | None, killed_marker: Path, timed_kills: TimedKills | None) -> None:
         self.journal, self.snapshots, self.tag = journal, snapshots, tag
         self.epoch, self.every_s, self.kill_step, self.killed_marker = epoch, every_s, kill_step, killed_marker
+        self.timed_kills = timed_kills
         self.last_index = -1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.journal.write("train_start", step=trainer.global_step)
+        now = time.time()
+        self.journal.write("train_start", at=now, step=trainer.global_step)
+        if self.timed_kills is not None:
+            self.timed_kills.start(now)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        self.journal.write("step", step=step)
+        now = time.time()
+        self.journal.write("step", at=now, step=step)
         if step == self.kill_step and not self.killed_marker.exists():
             self.killed_marker.touch()
-            self.journal.write("kill", step=step)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.die(step=step)
+        due = self.timed_kills.due(now) if self.timed_kills is not None else []
+        if due:
+            for index in due:
+                self.timed_kills.marker(index).touch()
+            self.die(step=step, kills=due)
         index = int((time.time() - self.epoch) // self.every_s)
         if index > self.last_index:
             self.last_index = index
             vector = parameters_to_vector(pl_module.parameters()).detach().float()
             torch.save(vector.clone(), self.snapshots / f"{self.tag}.{index}.pt")
             self.journal.write("snapshot", step=step, index=index)
+
+    def die(self, **fields: Any) -> None:
+        """SIGKILL this process, journaled first: no clean-up runs, as when a machine is lost."""
+        self.journal.write("kill", **fields)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def journaled_window(method: Any, journal: Journal, strategy: PeriodicAveragingStrategy) -> Any:
@@ -99,8 +149,12 @@ def journaled_window(method: Any, journal: Journal, strategy: PeriodicAveragingS
         began = time.time()
         outcome = method(*args, **kwargs)
         metrics = strategy.fault_tolerance_metrics() if strategy.fault_tolerance is not None else {}
+        windows = strategy._windows  # under the option: how many groups met and contributed
+        membership = None if windows is None else windows.quorum.membership
         journal.write("window", began=began, committed=outcome if isinstance(outcome, bool) else None,
-                      step=strategy.lightning_module.trainer.global_step, metrics=metrics)
+                      step=strategy.lightning_module.trainer.global_step, metrics=metrics,
+                      contributors=None if membership is None else membership.contributors,
+                      groups=None if membership is None else membership.groups)
         return outcome
     return wrapper
 
@@ -149,8 +203,9 @@ def main() -> None:
     callbacks: list[Callback] = []
     kill = spec.get("kill")
     kill_step = int(kill["step"]) if kill and int(kill["group"]) == group else None
+    timed_kills = TimedKills(spec["kills"], group, work, spec["name"]) if spec.get("kills") else None
     callbacks.append(Recorder(journal, work / "snapshots", tag, float(spec["epoch"]), float(spec["snapshot_every_s"]),
-                              kill_step, work / f"{spec['name']}.killed"))
+                              kill_step, work / f"{spec['name']}.killed", timed_kills))
     if tolerant:
         option = TorchFT(num_replica_groups=int(spec["groups"]), replica_group=group, lighthouse=spec["lighthouse"],
                          timeout=timedelta(seconds=60))
