@@ -2,6 +2,7 @@
 it loses with the option and under a torchrun restart, and the rejoin's timeline and bytes."""
 
 from benchmarks.fault_tolerance.failure import DILOCO_PERIOD, GROUPS, KILL_STEPS, draw_kill, restart_record
+from benchmarks.fault_tolerance.goodput import FULL, TARGET_AT, draw_kills, target_of
 
 
 def event(kind, time, rx=0, **fields):
@@ -18,9 +19,13 @@ def test_the_kill_is_seeded_and_falls_between_windows_after_the_first():
 def test_with_the_option_the_killed_group_loses_its_steps_since_its_last_commit_and_rejoins_later():
     victim = [event("up", 0.0), event("window", 10.0, began=9.0, step=50, committed=True),
               event("window", 20.0, began=19.0, step=100, committed=False), event("kill", 25.0, step=109)]
-    survivor = [event("window", 20.0, began=19.0, step=100, committed=True)]
+    survivor = [event("window", 20.0, began=19.0, step=100, committed=True),
+                event("window", 41.0, began=38.0, step=150, committed=True),
+                event("window", 54.0, began=50.0, step=200, committed=True),
+                event("window", 66.0, began=61.0, step=250, committed=True)]
     returned = [event("up", 25.5, rx=1000), event("joined", 40.0, rx=28_001_000),
-                event("train_start", 40.1, rx=28_001_000, step=150), event("step", 40.5, rx=35_000_000, step=151)]
+                event("train_start", 40.1, rx=28_001_000, step=150), event("step", 40.5, rx=35_000_000, step=151),
+                event("window", 54.5, began=53.0, step=200, committed=True)]
     launch = {"way": "restarted", "kill": {"group": 3, "step": 109},
               "journals": {"0.0": survivor, "3.0": victim, "3.1": returned}}
     record = restart_record(launch)
@@ -30,6 +35,10 @@ def test_with_the_option_the_killed_group_loses_its_steps_since_its_last_commit_
     assert record["up_after_kill_s"] == 0.5 and record["training_after_kill_s"] == 15.5
     assert record["training_after_up_s"] == 15.0 and record["joined_after_up_s"] == 14.5
     assert record["joined_at_step"] == 150 and record["recovery_received_bytes"] == 28_000_000
+    # The survivors' window where it was healed (step 150) and where it caught up (200), against their others
+    # after the first (steps 100 and 250: 1 s and 5 s); it contributes from the end of its catch-up window.
+    assert (record["heal_window_s"], record["catch_up_window_s"]) == (3.0, 4.0)
+    assert record["other_windows_median_s"] == 3.0 and record["contributing_after_kill_s"] == 29.5
 
 
 def test_a_torchrun_restart_redoes_every_groups_steps_since_the_checkpoint():
@@ -45,3 +54,11 @@ def test_a_torchrun_restart_redoes_every_groups_steps_since_the_checkpoint():
 
 def test_no_kill_no_record():
     assert restart_record({"way": "no_failure", "kill": None, "journals": {}}) is None
+
+
+def test_goodputs_kills_are_seeded_one_a_minute_and_its_target_is_the_no_failure_runs_loss_late_in_its_run():
+    kills = draw_kills(0, FULL)
+    assert kills == draw_kills(0, FULL) and [kill["after"] for kill in kills] == [60.0 * (i + 1) for i in range(10)]
+    assert {kill["group"] for seed in range(5) for kill in draw_kills(seed, FULL)} == set(range(GROUPS))
+    curve = [{"seconds": float(second), "val_loss": 5.0 - second / 100} for second in range(0, 201, 10)]
+    assert TARGET_AT == 0.8 and target_of(curve) == 5.0 - 160 / 100
