@@ -313,27 +313,47 @@ def table(summary: dict[str, Any]) -> str:
             f"{fmt(mean_of(restarts, 'steps_lost'), '.0f')} | {fmt(mean_of(restarts, 'training_after_kill_s'))} | "
             f"{fmt(mean_of(restarts, 'training_after_up_s'))} | "
             f"{fmt(megabytes(mean_of(restarts, 'recovery_received_bytes')))} |")
+    for way, row in summary["rows"].items():
+        healed = [restart for restart in row["restarts"] if restart and restart.get("heal_window_s") is not None]
+        if healed:
+            each = lambda key: " / ".join(fmt(restart[key]) for restart in healed)  # noqa: E731
+            lines.append(f"{way}, each seed: the survivors' window that healed the returning group "
+                         f"{each('heal_window_s')} s, the one it caught up in {each('catch_up_window_s')} s, their "
+                         f"other windows' median {each('other_windows_median_s')} s; kill to contributing again "
+                         f"{each('contributing_after_kill_s')} s")
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
+def loss_panels(report: dict[str, Any], width: float) -> tuple[Any, list[tuple[Any, int, list[dict[str, Any]]]]]:
+    """A figure of one panel per seed, every launch's loss against wall time drawn in it; returns the figure and each
+    panel's (axis, seed, launches) for the caller's marks."""
     plt = pyplot()
     seeds = sorted({launch["seed"] for launch in report["launches"]})
-    figure, axes = plt.subplots(1, len(seeds), figsize=(5 * len(seeds), 4), sharey=True, squeeze=False)
+    figure, axes = plt.subplots(1, len(seeds), figsize=(width * len(seeds), 4), sharey=True, squeeze=False)
+    panels = []
     for axis, seed in zip(axes[0], seeds):
-        for launch in (launch for launch in report["launches"] if launch["seed"] == seed):
+        launches = [launch for launch in report["launches"] if launch["seed"] == seed]
+        for launch in launches:
             curve = launch["curve"]
-            axis.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], marker=".", label=launch["way"])
+            axis.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], marker=".", markersize=3,
+                      label=launch["way"])
+        axis.set_xlabel("wall time (s)")
+        panels.append((axis, seed, launches))
+    axes[0][0].set_ylabel("validation loss (nats/char)")
+    axes[0][0].legend()
+    return figure, panels
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    figure, panels = loss_panels(report, 5)
+    for axis, seed, launches in panels:
+        for launch in launches:
             restart = launch["summary"]["restart"]
             if restart and launch["way"] == "killed":
-                origin = launch["origin"]
-                axis.axvline(restart["kill_time"] - origin, color="grey", linestyle=":")
+                axis.axvline(restart["kill_time"] - launch["origin"], color="grey", linestyle=":")
         axis.axhline(report["target_val_loss"], color="black", linewidth=0.8, linestyle="--")
         kill = report["kills"][str(seed)]
         axis.set_title(f"seed {seed}: group {kill['group']} killed at step {kill['step']}")
-        axis.set_xlabel("wall time (s)")
-    axes[0][0].set_ylabel("validation loss (nats/char)")
-    axes[0][0].legend()
     figure.suptitle(f"DiLoCo on the LM, {GROUPS} groups at {HEADLINE_MBIT:g} Mbit/s: one group killed")
     save_figure(figure, path)
 

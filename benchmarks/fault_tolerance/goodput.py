@@ -50,10 +50,10 @@ from typing import Any, NamedTuple
 
 from benchmarks.common import netns
 from benchmarks.common.paths import RESULTS
-from benchmarks.common.report import command_line, one_figure, publish, pyplot, replot, save_figure
+from benchmarks.common.report import command_line, one_figure, publish, replot, save_figure
 from benchmarks.fault_tolerance.failure import (
-    CHECKPOINT_EVERY, GROUPS, LIGHTHOUSE_FLAGS, common_spec, events, read_journals, run_groups, score,
-    training_origin,
+    CHECKPOINT_EVERY, GROUPS, LIGHTHOUSE_FLAGS, common_spec, events, loss_panels, read_journals, run_groups,
+    score, training_origin,
 )
 from benchmarks.language_model.network import DILOCO_PERIOD, HEADLINE_MBIT
 
@@ -201,15 +201,8 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    seeds = sorted({launch["seed"] for launch in report["launches"]})
-    figure, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4), sharey=True, squeeze=False)
-    for axis, seed in zip(axes[0], seeds):
-        launches = [launch for launch in report["launches"] if launch["seed"] == seed]
-        for launch in launches:
-            curve = launch["curve"]
-            axis.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], marker=".", markersize=3,
-                      label=launch["way"])
+    figure, panels = loss_panels(report, 6)
+    for axis, seed, launches in panels:
         last = max(launch["curve"][-1]["seconds"] for launch in launches)
         for kill in report["schedules"][str(seed)]:
             if kill["after"] <= last:
@@ -217,9 +210,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
         axis.axhline(launches[0]["summary"]["target_val_loss"], color="black", linewidth=0.8, linestyle="--")
         axis.set_title(f"seed {seed}: kills of groups " + ", ".join(
             str(kill["group"]) for kill in report["schedules"][str(seed)] if kill["after"] <= last), fontsize=10)
-        axis.set_xlabel("wall time (s)")
-    axes[0][0].set_ylabel("validation loss (nats/char)")
-    axes[0][0].legend()
     figure.suptitle(f"DiLoCo on the LM, {GROUPS} groups at {HEADLINE_MBIT:g} Mbit/s:\n"
                     f"a random group killed every {report['setting']['kill_every_s']:g} s (dotted)")
     save_figure(figure, path)
