@@ -14,7 +14,8 @@ the namespace (torchrun may hand a restarted node another rank).
 Every process appends JSON lines to ``<work>/<name>.<group>.<incarnation>.jsonl`` (the incarnation counts this
 group's processes so far; torchrun's restart count stays 0 on a node restarted for another node's failure):
 ``up`` (the script's first line ran), ``joined`` (fault_tolerance: the set-up quorum returned), ``train_start``,
-every ``step`` end, every ``window`` (its start and end, whether it was committed, ``ft/*``), every
+every ``step`` end, every ``window`` (its start and end, whether it was committed, ``ft/*``, the groups that met and
+contributed, the seconds of its phases under the option), every
 ``checkpoint`` (its start and end), every ``snapshot`` and ``end``, each with the wall clock (``time.time()``: one clock for every namespace of the host) and the
 namespace interface's byte counters. A snapshot is the replica's parameters
 (``<work>/snapshots/<name>.<group>.<incarnation>.<k>.pt``), taken at the first step end after
@@ -142,6 +143,36 @@ class Recorder(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+PHASES: dict[str, float] = {}
+"""Seconds this window spent in each of its phases (:func:`time_phases`), journaled with it and reset."""
+
+
+def time_phases() -> None:
+    """Time a window's phases under the option: taking a heal's committed state, the quorum (a heal's small part
+    inside it), the contributor count's all-reduce, the exchange and ``should_commit``."""
+    from lightning_dist.comm.quorum import QuorumCommunicator
+    from lightning_dist.strategies._fault_tolerance import ReplicaGroups
+    from lightning_dist.strategies._replica_windows import FaultTolerantWindows
+
+    def timed(owner: Any, name: str, phase: str) -> None:
+        method = getattr(owner, name)
+
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                PHASES[phase] = PHASES.get(phase, 0.0) + time.perf_counter() - began
+        setattr(owner, name, wrapper)
+
+    timed(ReplicaGroups, "complete_heal", "take_heal")
+    timed(QuorumCommunicator, "begin_window", "quorum")
+    timed(QuorumCommunicator, "count_contributors", "count")
+    timed(FaultTolerantWindows, "_exchange", "exchange")
+    timed(QuorumCommunicator, "commit", "commit")
+
+
 def journaled_window(method: Any, journal: Journal, strategy: PeriodicAveragingStrategy) -> Any:
     """``method`` (a window's end) journaled: its start and end, the outcome, the fault-tolerance counters."""
     @functools.wraps(method)
@@ -154,7 +185,8 @@ def journaled_window(method: Any, journal: Journal, strategy: PeriodicAveragingS
         journal.write("window", began=began, committed=outcome if isinstance(outcome, bool) else None,
                       step=strategy.lightning_module.trainer.global_step, metrics=metrics,
                       contributors=None if membership is None else membership.contributors,
-                      groups=None if membership is None else membership.groups)
+                      groups=None if membership is None else membership.groups, phases=dict(PHASES))
+        PHASES.clear()
         return outcome
     return wrapper
 
@@ -220,6 +252,7 @@ def main() -> None:
 
         strategy.join_replica_groups = joined
         strategy.end_window = journaled_window(strategy.end_window, journal, strategy)
+        time_phases()
         nodes, checkpoint_path = 1, None
     else:
         strategy = PeriodicAveragingStrategy(period=int(spec["period"]), outer_optimizer=outer)
