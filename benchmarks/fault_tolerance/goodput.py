@@ -5,6 +5,7 @@ restart from ``last.ckpt``, against the same run without a failure.
     python -m benchmarks.fault_tolerance.goodput              # 3 seeds x 3 ways, about 55 min on 2 cores
     python -m benchmarks.fault_tolerance.goodput --smoke      # the machinery only: 1 seed, 150 steps, about 4 min
     python -m benchmarks.fault_tolerance.goodput --replot     # the table and figure from the JSON
+    python -m benchmarks.fault_tolerance.goodput --seeds 1 --add   # one more seed into the JSON
 
 The setting is ``failure.py``'s (its launches, its worker ``failure_worker.py``, its scoring): every group one rank in
 its own network namespace capped at 20 Mbit/s, the LM benchmark's task and target loss, DiLoCo every 50 steps with
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--keep", type=Path, help="keep the launches' logs, journals and copies in this directory")
+    parser.add_argument("--add", action="store_true",
+                        help="add these seeds to the JSON's (same setting; a seed already there is replaced)")
     args = parser.parse_args(argv)
     setting = SMOKE if args.smoke else FULL
     seeds = args.seeds or ([SEEDS[0]] if args.smoke else list(SEEDS))
@@ -267,12 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    report = {"command": command_line(argv), "machine": platform.processor() or platform.machine(),
+    commands, wall_s = [command_line(argv)], time.perf_counter() - began
+    if args.add:  # a long study measured seed by seed: the JSON keeps every command that made it
+        earlier = json.loads(json_path.read_text())
+        if earlier["setting"] != setting._asdict():
+            raise ValueError(f"--add: {json_path} was measured with {earlier['setting']}, not {setting._asdict()}")
+        launches = [launch for launch in earlier["launches"] if launch["seed"] not in seeds] + launches
+        seeds = sorted({launch["seed"] for launch in launches})
+        commands = [*earlier.get("commands", [earlier["command"]]), *commands]
+        wall_s += earlier["wall_s"]
+    report = {"commands": commands, "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "groups": GROUPS, "node_mbit": HEADLINE_MBIT, "period": DILOCO_PERIOD,
               "setting": setting._asdict(), "smoke": args.smoke, "checkpoint_every": CHECKPOINT_EVERY,
               "snapshot_every_s": SNAPSHOT_EVERY_S, "straggler_s": STRAGGLER_S, "lighthouse_flags": LIGHTHOUSE_FLAGS,
               "target_at": TARGET_AT, "schedules": {str(seed): draw_kills(seed, setting) for seed in seeds},
-              "launches": launches, "wall_s": time.perf_counter() - began}
+              "launches": launches, "wall_s": wall_s}
     return publish(json_path, report, summarize, table, draw)
 
 
