@@ -52,6 +52,7 @@ from lightning_dist import PeriodicAveragingStrategy, TorchFT  # noqa: E402
 from lightning_dist.data import StdlibTextDataModule  # noqa: E402
 from lightning_dist.models import TransformerLM  # noqa: E402
 
+from benchmarks.fault_tolerance.worker import timed  # noqa: E402
 from benchmarks.language_model.recording import wire_bytes  # noqa: E402
 
 BARRIER_TIMEOUT_S = 300.0
@@ -143,7 +144,7 @@ class Recorder(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-PHASES: dict[str, float] = {}
+PHASES: dict[str, list[float]] = {}
 """Seconds this window spent in each of its phases (:func:`time_phases`), journaled with it and reset."""
 
 
@@ -154,23 +155,11 @@ def time_phases() -> None:
     from lightning_dist.strategies._fault_tolerance import ReplicaGroups
     from lightning_dist.strategies._replica_windows import FaultTolerantWindows
 
-    def timed(owner: Any, name: str, phase: str) -> None:
-        method = getattr(owner, name)
-
-        @functools.wraps(method)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                PHASES[phase] = PHASES.get(phase, 0.0) + time.perf_counter() - began
-        setattr(owner, name, wrapper)
-
-    timed(ReplicaGroups, "complete_heal", "take_heal")
-    timed(QuorumCommunicator, "begin_window", "quorum")
-    timed(QuorumCommunicator, "count_contributors", "count")
-    timed(FaultTolerantWindows, "_exchange", "exchange")
-    timed(QuorumCommunicator, "commit", "commit")
+    for owner, name, phase in ((ReplicaGroups, "complete_heal", "take_heal"),
+                               (QuorumCommunicator, "begin_window", "quorum"),
+                               (QuorumCommunicator, "count_contributors", "count"),
+                               (FaultTolerantWindows, "_exchange", "exchange"), (QuorumCommunicator, "commit", "commit")):
+        setattr(owner, name, timed(getattr(owner, name), PHASES.setdefault(phase, [])))
 
 
 def journaled_window(method: Any, journal: Journal, strategy: PeriodicAveragingStrategy) -> Any:
@@ -185,8 +174,10 @@ def journaled_window(method: Any, journal: Journal, strategy: PeriodicAveragingS
         journal.write("window", began=began, committed=outcome if isinstance(outcome, bool) else None,
                       step=strategy.lightning_module.trainer.global_step, metrics=metrics,
                       contributors=None if membership is None else membership.contributors,
-                      groups=None if membership is None else membership.groups, phases=dict(PHASES))
-        PHASES.clear()
+                      groups=None if membership is None else membership.groups,
+                      phases={phase: sum(durations) for phase, durations in PHASES.items()})
+        for durations in PHASES.values():
+            durations.clear()
         return outcome
     return wrapper
 
