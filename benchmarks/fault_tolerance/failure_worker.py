@@ -11,21 +11,20 @@ The task is the LM benchmark's (``benchmarks/language_model/network.py``'s ``TAS
 with a checkpoint every ``spec["checkpoint_every"]`` steps (``last.ckpt``, resumed by a torchrun restart), ``GROUP``
 the namespace (torchrun may hand a restarted node another rank).
 
-Every process appends JSON lines to ``<work>/<name>.<group>.<incarnation>.jsonl`` (the incarnation counts this
-group's processes so far; torchrun's restart count stays 0 on a node restarted for another node's failure):
-``up`` (the script's first line ran), ``joined`` (fault_tolerance: the set-up quorum returned), ``train_start``,
-every ``step`` end, every ``window`` (its start and end, whether it was committed, ``ft/*``, the groups that met and
-contributed, the seconds of its phases under the option), every
-``checkpoint`` (its start and end), every ``snapshot`` and ``end``, each with the wall clock (``time.time()``: one clock for every namespace of the host) and the
-namespace interface's byte counters. A snapshot is the replica's parameters
-(``<work>/snapshots/<name>.<group>.<incarnation>.<k>.pt``), taken at the first step end after
-``epoch + k * every`` seconds, so the scorer averages the groups' replicas on one grid. The group
-``spec["kill"]["group"]`` SIGKILLs itself at the end of step ``spec["kill"]["step"]``, once
-(``<work>/<name>.killed`` marks it done). ``spec["kills"]`` (``benchmarks/fault_tolerance/goodput.py``) is a list of
-timed kills, ``{"group": g, "after": s}``: group ``g`` SIGKILLs itself at its first step end at least ``s`` seconds
-after the training origin, once per kill (``<work>/<name>.killed.<index>`` marks it done), so a kill that falls
-while its group is down or writing a checkpoint comes at its first step end after that. The origin is the first
-group's start of training (``<work>/<name>.origin``, written by that group), which no launcher knows in advance.
+Every process appends JSON lines to ``<work>/<name>.<group>.<incarnation>.jsonl`` (the incarnation counts this group's
+processes so far; torchrun's restart count stays 0 on a node restarted for another node's failure): ``up`` (the script's
+first line ran), ``joined`` (fault_tolerance: the set-up quorum returned), ``train_start``, every ``step`` end, every
+``window`` (its start and end, whether it was committed, ``ft/*``, the groups that met and contributed, the seconds of
+its phases under the option), every ``checkpoint`` (its start and end), every ``snapshot`` and ``end``, each with the
+wall clock (``time.time()``: one clock for every namespace of the host) and the namespace interface's byte counters. A
+snapshot is the replica's parameters (``<work>/snapshots/<name>.<group>.<incarnation>.<k>.pt``), taken at the first step
+end after ``epoch + k * every`` seconds, so the scorer averages the groups' replicas on one grid. The group
+``spec["kill"]["group"]`` SIGKILLs itself at the end of step ``spec["kill"]["step"]``, once (``<work>/<name>.killed``
+marks it done). ``spec["kills"]`` (``benchmarks/fault_tolerance/goodput.py``) is a list of timed kills, ``{"group": g,
+"after": s}``: group ``g`` SIGKILLs itself at its first step end at least ``s`` seconds after the training origin, once
+per kill (``<work>/<name>.killed.<index>`` marks it done), so a kill that falls while its group is down or writing a
+checkpoint comes at its first step end after that. The origin is the first group's start of training
+(``<work>/<name>.origin``, written by that group), which no launcher knows in advance.
 """
 
 from __future__ import annotations
@@ -158,7 +157,8 @@ def time_phases() -> None:
     for owner, name, phase in ((ReplicaGroups, "complete_heal", "take_heal"),
                                (QuorumCommunicator, "begin_window", "quorum"),
                                (QuorumCommunicator, "count_contributors", "count"),
-                               (FaultTolerantWindows, "_exchange", "exchange"), (QuorumCommunicator, "commit", "commit")):
+                               (FaultTolerantWindows, "_exchange", "exchange"),
+                               (QuorumCommunicator, "commit", "commit")):
         setattr(owner, name, timed(getattr(owner, name), PHASES.setdefault(phase, [])))
 
 

@@ -20,18 +20,18 @@ Three ways per seed, each a fresh launch:
   (``ModelCheckpoint(every_n_train_steps=50, save_last=True)``), the same kills; torchrun restarts every process and
   Lightning resumes from ``last.ckpt``.
 
-A kill comes at its group's first step end at or after its time, so one that falls while its group is restarting,
-or writing a checkpoint, comes when the group trains again; kills of a group that pile up while it is down are
-served by one death. A launch still running ``timeout_s`` after its start is stopped (under a kill a minute,
-torchrun's restarts and checkpoints may leave it short of ``MAX_STEPS``: the run has no end then), and a group still
-running ``STRAGGLER_S`` after another group's job ended is stopped (a group restarted too late to be healed by a live
-peer waits for its quorum timeout). The target is the loss the seed's run without a failure reaches at
-``TARGET_AT`` of its training time (the LM benchmark's target, 2.681, falls before the first kill here). Reported
-per way and seed: the time to the target (goodput: the time without a failure over it), goodput in steps (the model's steps per second at its last copy over the run's without a failure:
-it counts the work a restart keeps, also in a run cut before its end), the final loss, the run's end, and every
-kill that happened: when, which group, the step it died at, and when and at which step its group was back. Writes
-``benchmarks/results/ft_goodput.{json,png}`` (``ft_goodput_smoke`` with ``--smoke``). Exits 77 where network
-namespaces cannot be built.
+A kill comes at its group's first step end at or after its time, so one that falls while its group is restarting, or
+writing a checkpoint, comes when the group trains again; kills of a group that pile up while it is down are served by
+one death. A launch still running ``timeout_s`` after its start is stopped (under a kill a minute, torchrun's restarts
+and checkpoints may leave it short of ``MAX_STEPS``: the run has no end then), and a group still running ``STRAGGLER_S``
+after another group's job ended is stopped (a group restarted too late to be healed by a live peer waits for its quorum
+timeout). The target is the loss the seed's run without a failure reaches at ``TARGET_AT`` of its training time (the LM
+benchmark's target, 2.681, falls before the first kill here). Reported per way and seed: the time to the target
+(goodput: the time without a failure over it), goodput in steps (the model's steps per second at its last copy over the
+run's without a failure: it counts the work a restart keeps, also in a run cut before its end), the final loss, the
+run's end, and every kill that happened: when, which group, the step it died at, and when and at which step its group
+was back. Writes ``benchmarks/results/ft_goodput.{json,png}`` (``ft_goodput_smoke`` with ``--smoke``). Exits 77 where
+network namespaces cannot be built.
 """
 
 from __future__ import annotations

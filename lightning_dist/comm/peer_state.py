@@ -1,11 +1,12 @@
 """A live peer's state for a replica group that is behind, over HTTP authenticated with a per-run secret.
 
-Under ``fault_tolerance`` a restarted group receives an up-to-date peer's state in two parts: the small one inside
-the quorum, through torchft's checkpoint transport (``/state/<step>``), and the committed model with the protocol
-and optimizer states afterwards, in the background while every group trains, from the same peer's server
-(``/committed/<step>``, published after the window's commit). torchft's own (``HTTPTransport``) listens on every interface without authentication and loads what
-arrives with pickle: whoever reaches its port can run code in the receiver or read the model, and two runs that
-share a Lighthouse can feed each other state. :class:`AuthenticatedStateTransport` replaces it.
+Under ``fault_tolerance`` a restarted group receives an up-to-date peer's state in two parts: the small one inside the
+quorum, through torchft's checkpoint transport (``/state/<step>``), and the committed model with the protocol and
+optimizer states afterwards, in the background while every group trains, from the same peer's server
+(``/committed/<step>``, published after the window's commit). torchft's own (``HTTPTransport``) listens on every
+interface without authentication and loads what arrives with pickle: whoever reaches its port can run code in the
+receiver or read the model, and two runs that share a Lighthouse can feed each other state.
+:class:`AuthenticatedStateTransport` replaces it.
 
 Threat model. Every request carries a fresh nonce and an HMAC-SHA256 under the run's secret (:func:`run_secret`)
 over its method, the server's address, its path and the nonce; the server refuses a wrong MAC or a nonce it has

@@ -11,11 +11,11 @@ every group that saw the failure discards the window. A group that is behind (ne
 commit failed) receives the small part of an up-to-date peer's state inside the quorum (torchft's checkpoint
 transport) and the rest from the same peer outside the window, nothing read from disk.
 
-:class:`QuorumCommunicator` is what the averaging code sees as the learners' communicator (``rank``,
-``world_size``, ``level``, ``all_reduce_sum_``, ``exchange``, ``stats``), with the quorum's calls beside it. Its
-``rank`` and ``world_size`` are torchft's participating rank and count; ``contributors``
-(:meth:`QuorumCommunicator.count_contributors`) is how many of them the window's mean is of: a group that was
-healed in this quorum or the one before takes part in the exchange with a zero contribution (its window trained from a model the
+:class:`QuorumCommunicator` is what the averaging code sees as the learners' communicator (``rank``, ``world_size``,
+``level``, ``all_reduce_sum_``, ``exchange``, ``stats``), with the quorum's calls beside it. Its ``rank`` and
+``world_size`` are torchft's participating rank and count; ``contributors``
+(:meth:`QuorumCommunicator.count_contributors`) is how many of them the window's mean is of: a group that was healed in
+this quorum or the one before takes part in the exchange with a zero contribution (its window trained from a model the
 others have left) and is not counted in the mean.
 
 torchft's ``Manager.allreduce`` does not raise: after a failure it logs, marks the step errored and turns the
@@ -199,11 +199,11 @@ class QuorumCommunicator:
         all-reduce failed). A decision that steers the exchange is taken from ``voted``: a group that was healed in
         this quorum cannot know which window the others are ending.
 
-        A group contributes unless it was healed in this quorum or the last. 0 when the exchange failed (nothing to average)
-        or when a group is in the quorum twice: two processes run as one replica group (typically a worker left
-        training after its torchrun agent was killed: torchrun starts workers in sessions of their own, so killing
-        the agent's process group spares them), and both copies' data would weigh twice in the mean. Each copy
-        then raises, naming its group; the other groups discard the window and go on without it.
+        A group contributes unless it was healed in this quorum or the last. 0 when the exchange failed (nothing to
+        average) or when a group is in the quorum twice: two processes run as one replica group (typically a worker left
+        training after its torchrun agent was killed: torchrun starts workers in sessions of their own, so killing the
+        agent's process group spares them), and both copies' data would weigh twice in the mean. Each copy then raises,
+        naming its group; the other groups discard the window and go on without it.
 
         The same all-reduce checks two things every group must hold first, and raises naming them: that torchft's
         all-reduce sums (the groups' presence flags add up to the quorum's size), and that every group in the
