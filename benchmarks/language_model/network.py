@@ -279,8 +279,8 @@ def run_launch(args: argparse.Namespace, network: Any, name: str, mbit: float, s
         print(f"FAILED: {exc}", file=sys.stderr)
         return {"node_mbit": mbit, "seed": seed, "error": str(exc)}
     labels = {run["name"]: run["label"] for run in runs}
-    for run in raw["runs"]:
-        run.update(label=labels[run["name"]], node_mbit=mbit, seed=seed)
+    for run in raw["runs"]:  # the day: a merged report's table says which launches its rows come from
+        run.update(label=labels[run["name"]], node_mbit=mbit, seed=seed, date=time.strftime("%Y-%m-%d"))
     print(f"  done in {raw['launch_s']:.0f} s", flush=True)
     return {"node_mbit": mbit, "seed": seed, "launch_s": raw["launch_s"], "runs": raw["runs"], "corpus": raw["corpus"]}
 
