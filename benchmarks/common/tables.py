@@ -17,15 +17,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from benchmarks.common.paths import REPO
+from benchmarks.common.paths import REPO, RESULTS
 
 BLOCK = re.compile(r"(?P<open><!-- table: (?P<target>[\w.]+:\w+) -->\n)(?P<body>.*?)(?P<close><!-- /table -->)",
                    re.DOTALL)
+
+
+def result(name: str) -> Any:
+    """The report ``benchmarks/results/<name>.json``, as its benchmark wrote it."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
 
 
 def documents(root: Path = REPO) -> list[Path]:

@@ -1,13 +1,14 @@
 """The language model's results tables, rendered from ``benchmarks/results/lm_network.json`` into the README and
-``docs/results`` (:mod:`benchmarks.common.tables`)."""
+``docs/results/language-model.md`` (:mod:`benchmarks.common.tables`): the README's headline rows, the page's table of
+the methods against DDP at every bandwidth, and its streaming comparison's tables at 20, 5 and 1000 Mbit/s."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from typing import Any
 
-from benchmarks.common.paths import RESULTS
+from benchmarks.common.tables import result
+from benchmarks.language_model.network import table
 
 README_MBIT = 20.0
 README_METHODS = {
@@ -24,7 +25,7 @@ README_METHODS = {
 
 
 def network_report() -> dict[str, Any]:
-    return json.loads((RESULTS / "lm_network.json").read_text())
+    return result("lm_network")
 
 
 def seconds(value: float | None) -> str:
@@ -58,3 +59,67 @@ def readme_table() -> str:
     lines.append(f"Target {report['summary']['target_val_loss']:.3f} nats/char ({report['summary']['target_rule']}); "
                  f"runs launched: {', '.join(dates)}.")
     return "\n".join(lines)
+
+
+NETWORK_METHODS = ("ddp", "periodic_h10", "periodic_h50", "fedavg", "dynamic_lo", "dynamic_hi", "segmented_gossip",
+                   "downpour", "diloco", "dynamic_outer", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_fp16",
+                   "dynamic_default", "periodic_h50_int8", "dynamic_default_int8", "gossip_p20_r1", "gossip_p50_r1",
+                   "gossip_p50_r2", "downpour_p50", "dynamic_overhead10")
+"""The methods of the results page's first table, in its order (compressed DownpourSGD and the streaming comparison's
+methods are in tables of their own)."""
+
+STREAMING_METHODS = {
+    20.0: ("ddp_powersgd_r4", "periodic_h50", "periodic_h50_int8", "diloco", "periodic_h50_stream",
+           "periodic_h50_stream_int8", "periodic_h50_stream_a0", "periodic_h50_stream_a0_int8", "diloco_stream",
+           "diloco_stream_int8", "torchft_diloco", "torchft_streaming_diloco"),
+    5.0: ("ddp_powersgd_r4", "periodic_h50_int8", "periodic_h50_stream_a0_int8", "diloco_stream_int8",
+          "torchft_diloco", "torchft_streaming_diloco"),
+    1000.0: ("periodic_h50_int8", "periodic_h50_stream_a0", "periodic_h50_stream_a0_int8", "diloco", "diloco_stream",
+             "torchft_diloco", "torchft_streaming_diloco"),
+}
+"""The streaming comparison's rows per bandwidth (Mbit/s), as its launches of 2026-11-27 ran them."""
+
+
+def summary_rows(report: dict[str, Any], mbit: float, names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The summary's rows of methods ``names`` at ``mbit``, in the order of ``names`` (those not run there left out)."""
+    rows = {row["name"]: row for row in report["summary"]["rows"] if row["node_mbit"] == mbit}
+    return [rows[name] for name in names if name in rows]
+
+
+def network_table() -> str:
+    """Every bandwidth's row of each method in :data:`NETWORK_METHODS`, in the benchmark's own table format."""
+    report = network_report()
+    bandwidths = sorted({row["node_mbit"] for row in report["summary"]["rows"]}, reverse=True)
+    return table({"rows": [row for mbit in bandwidths for row in summary_rows(report, mbit, NETWORK_METHODS)]})
+
+
+def streaming_table(mbit: float) -> str:
+    """Seconds to the target seed by seed, their mean, wire MB by then, final loss, steps and s/step at ``mbit`` for
+    the methods :data:`STREAMING_METHODS` names there."""
+    rows = summary_rows(network_report(), mbit, STREAMING_METHODS[mbit])
+    seeds = rows[0]["seeds"]
+    label = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + " / ".join(str(seed) for seed in seeds)
+    lines = [f"| method | s to target, {label} | mean (seeds) | wire MB to target | final loss | steps | s/step |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        each = " / ".join(seconds(value) for value in row["time_to_target_s_each"])
+        mean = f"{seconds(row['time_to_target_s'])} ({row['reached']}/{len(row['seeds'])})"
+        wire = "-" if row["wire_bytes_to_target"] is None else f"{row['wire_bytes_to_target'] / 1e6:.0f}"
+        lines.append(f"| {row['name']} | {each} | {mean} | {wire} | {row['final_val_loss']:.3f} | {row['steps']:.0f} "
+                     f"| {row['step_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def streaming_table_20() -> str:
+    """The streaming comparison at 20 Mbit/s."""
+    return streaming_table(20.0)
+
+
+def streaming_table_5() -> str:
+    """The streaming comparison at 5 Mbit/s."""
+    return streaming_table(5.0)
+
+
+def streaming_table_1000() -> str:
+    """The streaming comparison at 1000 Mbit/s (the floor: the network out of the way)."""
+    return streaming_table(1000.0)

@@ -45,8 +45,6 @@ from benchmarks.common.report import check_names, command_line, pyplot, save_fig
 from benchmarks.large_model.memory import MALLOC_ENV
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
-DOCS_PAGE = REPO / "docs" / "results" / "large-model.md"
-TABLE_START, TABLE_END = "<!-- large-model table: start -->", "<!-- large-model table: end -->"
 MIB = 2**20
 
 
@@ -207,20 +205,6 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(table: str, report: dict[str, Any], page: Path = DOCS_PAGE) -> None:
-    """Put ``table`` and the command that made it between the page's table markers."""
-    text = page.read_text()
-    if TABLE_START not in text or TABLE_END not in text:
-        raise SystemExit(f"{page} has no {TABLE_START} ... {TABLE_END} markers for the table")
-    head, rest = text.split(TABLE_START, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    made = (f"`{report['command']}` ({report['date']}, {report['wall_s']:.0f} s; torch {report['torch']}, "
-            f"{report['ranks']} ranks, `{report['preset']}`: {report['parameters']:,} parameters, "
-            f"{report['model_bytes'] / MIB:.0f} MiB in float32; batches of {report['batch_size']} x {report['seq_len']} "
-            f"bytes; {report['repeats']} paired timings; commit {report['commit'][:10]}{', with uncommitted changes to lightning_dist' if report['dirty'] else ''}):")
-    page.write_text(f"{head}{TABLE_START}\n{made}\n\n{table}\n{TABLE_END}{tail}")
-
-
 def plot(report: dict[str, Any], path: Path) -> None:
     """Two panels: each row's peak resident set per rank less DDP's, in model sizes; its full synchronization's time
     over the all-reduce's (paired medians)."""
@@ -280,8 +264,7 @@ def main() -> None:
     plot(report, png_path)
     print(f"wrote {json_path} and {png_path}")
     if not args.quick:
-        update_docs(table, report)
-        print(f"table written to {DOCS_PAGE.relative_to(REPO)}")
+        print("docs/results/large-model.md's tables: python -m benchmarks.common.tables")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

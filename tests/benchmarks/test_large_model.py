@@ -143,7 +143,7 @@ def test_summary_against_ddp_and_per_full_synchronization():
         run.summarize(broken, ddp)
 
 
-def test_table_says_which_rows_are_missing_or_failed_and_the_docs_block_is_replaced(tmp_path):
+def test_table_says_which_rows_are_missing_or_failed():
     ddp = {"name": "ddp", "label": "DDP", "ranks": [record(0, 1000), record(1, 1000)]}
     ddp["summary"] = run.summarize(ddp, ddp)
     report = {"rows": [ddp, {"name": "streaming", "label": "streaming", "status": "missing", "reason": "no fragments"},
@@ -153,15 +153,6 @@ def test_table_says_which_rows_are_missing_or_failed_and_the_docs_block_is_repla
     assert len(lines) == 5 and all(line.count("|") == 10 for line in lines)
     assert "missing: no fragments" in lines[3] and "failed: RuntimeError: boom" in lines[4]
     assert "1000 / 1000" in lines[2]
-    page = tmp_path / "page.md"
-    page.write_text(f"intro\n{run.TABLE_START}\nold\n{run.TABLE_END}\nafter\n")
-    report.update(command="python -m benchmarks.large_model.run", date="2026-11-27", wall_s=480, torch="2.13.0",
-                  ranks=2, preset="100m", parameters=106_614_528, model_bytes=426_458_112, batch_size=1, seq_len=32,
-                  repeats=3, commit="0123456789abcdef", dirty=False)
-    run.update_docs(table, report, page)
-    text = page.read_text()
-    assert text.startswith("intro\n") and text.endswith("\nafter\n") and "old" not in text
-    assert "`python -m benchmarks.large_model.run`" in text and table in text
 
 
 def test_memory_check_before_running():
