@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -178,8 +179,21 @@ def training_origin(launch: dict[str, Any]) -> float:
                if tag.endswith(".0") and events(journal, "train_start"))
 
 
+def healed_after(journal: list[dict[str, Any]]) -> float:
+    """When a group's replica holds the run's state: at once, but for a process that joined a run in progress under
+    ``fault_tolerance`` (it journaled ``joined``, then started training past step 0). That one trains its first window
+    from the model it started with and takes its peer's committed state at the window's end (its work is discarded),
+    so its copies before that window's end are no replica of the run."""
+    starts = events(journal, "train_start")
+    if not events(journal, "joined") or not starts or starts[0]["step"] == 0:
+        return 0.0
+    ends = [window["time"] for window in events(journal, "window") if window["time"] > starts[0]["time"]]
+    return ends[0] if ends else math.inf
+
+
 def score(launch: dict[str, Any], work: Path) -> list[dict[str, Any]]:
-    """The loss curve: at every grid point, the mean of the copies taken there, scored (the LM benchmark's rule)."""
+    """The loss curve: at every grid point, the mean of the copies taken there by the groups whose replica holds the
+    run's state (:func:`healed_after`), scored (the LM benchmark's rule)."""
     import torch
     from lightning_dist.data import StdlibTextDataModule
     from lightning_dist.models import TransformerLM
@@ -188,8 +202,10 @@ def score(launch: dict[str, Any], work: Path) -> list[dict[str, Any]]:
     name = f"{launch['way']}{launch['seed']}"
     copies: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     for tag, journal in launch["journals"].items():
+        healed_at = healed_after(journal)
         for event in events(journal, "snapshot"):
-            copies.setdefault(event["index"], []).append((tag, event))
+            if event["time"] >= healed_at:
+                copies.setdefault(event["index"], []).append((tag, event))
     first_full = max(min(event["index"] for event in events(journal, "snapshot"))
                      for tag, journal in launch["journals"].items() if tag.endswith(".0"))
     indices = sorted(index for index in copies if index >= first_full)

@@ -222,14 +222,17 @@ def target_of(curve: list[dict[str, Any]]) -> float:
     return next(point["val_loss"] for point in curve if point["seconds"] >= TARGET_AT * curve[-1]["seconds"])
 
 
-def run_seed(network: netns.Network, seed: int, setting: Setting, work: Path,
-             keep: bool) -> list[dict[str, Any]]:
+def run_seed(network: netns.Network, seed: int, setting: Setting, work: Path, keep: bool,
+             ways: tuple[str, ...] = WAYS, target: float | None = None) -> list[dict[str, Any]]:
+    """Launch ``ways`` for ``seed``, no_failure first: its curve sets the seed's target (else ``target``, the
+    no_failure launch's of an earlier run)."""
     launches = []
-    for way in WAYS:  # no_failure first: its curve sets the seed's target
+    for way in ways:
         launch = launch_way(network, way, seed, setting, work)
         launch["origin"] = training_origin(launch)
         launch["curve"] = score(launch, work)
         target = target_of(launch["curve"]) if way == "no_failure" else target
+        assert target is not None, "a seed's target comes from its no_failure launch"
         launch["summary"] = summarize_launch(launch, target)
         print(f"[goodput] seed {seed} {way}: {json.dumps(launch['summary'])}", flush=True)
         launch["journals"] = {tag: [event for event in journal if event["event"] != "step"]
@@ -249,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--keep", type=Path, help="keep the launches' logs, journals and copies in this directory")
     parser.add_argument("--add", action="store_true",
-                        help="add these seeds to the JSON's (same setting; a seed already there is replaced)")
+                        help="add these seeds to the JSON's (same setting; a seed's launches of these ways replaced)")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS),
+                        help="launch only these ways (with --add: the others stay; the target is the JSON's)")
     args = parser.parse_args(argv)
+    ways = tuple(way for way in WAYS if way in args.ways)
+    if ways != WAYS and not args.add:
+        parser.error("--ways needs --add: the ways not launched, and the seed's target, come from the JSON")
     setting = SMOKE if args.smoke else FULL
     seeds = args.seeds or ([SEEDS[0]] if args.smoke else list(SEEDS))
     prefix = f"{PREFIX}_smoke" if args.smoke else PREFIX
@@ -261,23 +269,29 @@ def main(argv: list[str] | None = None) -> int:
     netns.require_network("benchmarks.fault_tolerance.goodput")
     began = time.perf_counter()
     launches = []
+    earlier = json.loads(json_path.read_text()) if args.add else None
+    targets = {} if earlier is None else {launch["seed"]: launch["summary"]["target_val_loss"]
+                                          for launch in earlier["launches"] if launch["way"] == "no_failure"}
+    if "no_failure" not in ways and not set(seeds) <= set(targets):
+        parser.error(f"--ways without no_failure: {json_path} has no no_failure launch for seeds "
+                     f"{sorted(set(seeds) - set(targets))}")
     work = args.keep or Path(tempfile.mkdtemp(prefix="ft_goodput_"))
     (work / "snapshots").mkdir(parents=True, exist_ok=True)
     try:
         with netns.Network(GROUPS, node_mbit=HEADLINE_MBIT) as network:
             for seed in seeds:
-                launches += run_seed(network, seed, setting, work, keep=args.keep is not None)
+                launches += run_seed(network, seed, setting, work, args.keep is not None, ways, targets.get(seed))
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
     commands, wall_s = [command_line(argv)], time.perf_counter() - began
-    if args.add:  # a long study measured seed by seed: the JSON keeps every command that made it
-        earlier = json.loads(json_path.read_text())
+    if earlier is not None:  # a long study measured seed by seed: the JSON keeps every command that made it
         if earlier["setting"] != setting._asdict():
             raise ValueError(f"--add: {json_path} was measured with {earlier['setting']}, not {setting._asdict()}")
-        launches = [launch for launch in earlier["launches"] if launch["seed"] not in seeds] + launches
+        launches = [launch for launch in earlier["launches"]
+                    if not (launch["seed"] in seeds and launch["way"] in ways)] + launches
         seeds = sorted({launch["seed"] for launch in launches})
-        commands = [*earlier.get("commands", [earlier["command"]]), *commands]
+        commands = [*(earlier["commands"] if "commands" in earlier else [earlier["command"]]), *commands]
         wall_s += earlier["wall_s"]
     report = {"commands": commands, "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "groups": GROUPS, "node_mbit": HEADLINE_MBIT, "period": DILOCO_PERIOD,

@@ -1,7 +1,7 @@
 """``benchmarks/fault_tolerance/failure.py``'s bookkeeping on hand-written journals: where the kill falls, the work
 it loses with the option and under a torchrun restart, and the rejoin's timeline and bytes."""
 
-from benchmarks.fault_tolerance.failure import DILOCO_PERIOD, GROUPS, KILL_STEPS, draw_kill, restart_record
+from benchmarks.fault_tolerance.failure import DILOCO_PERIOD, GROUPS, KILL_STEPS, draw_kill, healed_after, restart_record
 from benchmarks.fault_tolerance.goodput import FULL, TARGET_AT, draw_kills, target_of
 
 
@@ -62,3 +62,15 @@ def test_goodputs_kills_are_seeded_one_a_minute_and_its_target_is_the_no_failure
     assert {kill["group"] for seed in range(5) for kill in draw_kills(seed, FULL)} == set(range(GROUPS))
     curve = [{"seconds": float(second), "val_loss": 5.0 - second / 100} for second in range(0, 201, 10)]
     assert TARGET_AT == 0.8 and target_of(curve) == 5.0 - 160 / 100
+
+
+def test_a_group_joining_a_run_in_progress_counts_in_the_curve_from_the_end_of_its_heal_window():
+    at = [{"event": "up", "time": 0.0}, {"event": "window", "time": 5.0, "step": 0}]
+    joiner = at + [{"event": "joined", "time": 5.0, "step": 0}, {"event": "train_start", "time": 5.1, "step": 200},
+                   {"event": "snapshot", "time": 6.0}, {"event": "window", "time": 12.0, "step": 250}]
+    assert healed_after(joiner) == 12.0  # its copies while it trains from its start model are left out
+    fresh = at + [{"event": "joined", "time": 5.0, "step": 0}, {"event": "train_start", "time": 5.1, "step": 0}]
+    assert healed_after(fresh) == 0.0  # a group of a fresh run holds the run's state from the start
+    restarted_by_torchrun = at + [{"event": "train_start", "time": 5.1, "step": 200}]
+    assert healed_after(restarted_by_torchrun) == 0.0  # resumed from its checkpoint: no heal
+    assert healed_after(joiner[:-1]) == float("inf")  # still healing when the run ended
