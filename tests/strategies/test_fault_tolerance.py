@@ -575,9 +575,9 @@ def test_a_replica_group_running_twice_is_refused_by_name_and_the_others_go_on(t
     refusal = "replica group 1 joined this quorum 2 times"
     assert refusal in (tmp_path / "group1.log").read_text() and refusal in (tmp_path / "group1copy.log").read_text()
     windows = torch.load(tmp_path / "twice" / "group0_rank0.pt", weights_only=False)["windows"]
-    discarded = [window for window in windows if not window["committed"]]
-    assert len(discarded) == 1 and discarded[0]["membership"]["groups"] == 3
-    assert all(window["membership"]["groups"] == 1 for window in windows[windows.index(discarded[0]) + 1:])
+    discarded = [index for index, window in enumerate(windows) if not window["committed"]]  # (windows hold tensors)
+    assert len(discarded) == 1 and windows[discarded[0]]["membership"]["groups"] == 3
+    assert all(window["membership"]["groups"] == 1 for window in windows[discarded[0] + 1:])
 
 
 def test_two_runs_that_share_a_lighthouse_are_refused_by_name(tmp_path):
