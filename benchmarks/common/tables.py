@@ -1,10 +1,10 @@
 """Results tables in Markdown rendered from the JSON in ``benchmarks/results``, so a committed table cannot drift from
 the measurements it reports.
 
-A table in ``README.md`` or ``docs/results/*.md`` sits between two comments, the first naming the function that
-renders it (a function of no arguments in a benchmark's module, returning the table's lines)::
+A table in ``README.md``, a page under ``docs/`` or a benchmark's README sits between two comments, the first
+naming the function that renders it (a function of no arguments in a benchmark's module, returning the table's lines)::
 
-    <!-- table: benchmarks.language_model.network:readme_table -->
+    <!-- table: benchmarks.language_model.tables:readme_table -->
     | method | ... |
     |---|...|
     <!-- /table -->
@@ -36,8 +36,8 @@ def result(name: str) -> Any:
 
 
 def documents(root: Path = REPO) -> list[Path]:
-    """The Markdown files whose tables are rendered: the README and every results page."""
-    return [root / "README.md", *sorted((root / "docs" / "results").glob("*.md"))]
+    """The Markdown files whose blocks are rendered: the README, every page of the docs, the benchmarks' READMEs."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md")), *sorted((root / "benchmarks").rglob("*.md"))]
 
 
 def renderer(target: str) -> Callable[[], str]:

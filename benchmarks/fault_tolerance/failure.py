@@ -147,8 +147,8 @@ def wait_groups(processes: list[subprocess.Popen], timeout_s: float, straggler_s
     ``timeout_s`` after the start or ``straggler_s`` after a group's job ended cleanly. A group restarted too late to
     be healed by a live peer would wait for its quorum timeout (30 min)."""
     deadline = time.monotonic() + timeout_s
-    while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
-        if straggler_s is not None and any(process.returncode == 0 for process in processes):
+    while None in (codes := [process.poll() for process in processes]) and time.monotonic() < deadline:
+        if straggler_s is not None and 0 in codes:  # every group polled: a clean end anywhere starts the clock
             deadline = min(deadline, time.monotonic() + straggler_s)
         time.sleep(0.5)
     stopped = [process.poll() is None for process in processes]

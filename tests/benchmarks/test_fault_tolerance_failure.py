@@ -1,7 +1,11 @@
 """``benchmarks/fault_tolerance/failure.py``'s bookkeeping on hand-written journals: where the kill falls, the work
 it loses with the option and under a torchrun restart, and the rejoin's timeline and bytes."""
 
-from benchmarks.fault_tolerance.failure import DILOCO_PERIOD, GROUPS, KILL_STEPS, draw_kill, healed_after, restart_record
+import subprocess
+import time
+
+from benchmarks.fault_tolerance.failure import (DILOCO_PERIOD, GROUPS, KILL_STEPS, draw_kill, healed_after, restart_record,
+                                                wait_groups)
 from benchmarks.fault_tolerance.goodput import FULL, TARGET_AT, draw_kills, target_of
 
 
@@ -74,3 +78,12 @@ def test_a_group_joining_a_run_in_progress_counts_in_the_curve_from_the_end_of_i
     restarted_by_torchrun = at + [{"event": "train_start", "time": 5.1, "step": 200}]
     assert healed_after(restarted_by_torchrun) == 0.0  # resumed from its checkpoint: no heal
     assert healed_after(joiner[:-1]) == float("inf")  # still healing when the run ended
+
+
+def test_a_straggling_first_group_is_stopped_once_another_group_has_ended():
+    """Every group is polled: a group 0 still waiting (as one restarted after the others' end does) is stopped
+    ``straggler_s`` after group 1's clean end, not at the launch's timeout."""
+    groups = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["true"])]
+    began = time.monotonic()
+    assert wait_groups(groups, timeout_s=60, straggler_s=1) == [None, 0]
+    assert time.monotonic() - began < 10
