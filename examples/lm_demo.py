@@ -126,7 +126,8 @@ def run(work: dict[str, Any], method: dict[str, Any], mbit: float, max_steps: in
                     max_steps, work["target"], threads=threads)
 
 
-def timed_run(work: dict[str, Any], method: dict[str, Any], mbit: float, max_steps: int) -> tuple[dict[str, Any], float]:
+def timed_run(work: dict[str, Any], method: dict[str, Any], mbit: float,
+              max_steps: int) -> tuple[dict[str, Any], float]:
     """:func:`run` in a process of its own, and the wall seconds it took."""
     started = time.perf_counter()
     return run(work, method, mbit, max_steps), time.perf_counter() - started

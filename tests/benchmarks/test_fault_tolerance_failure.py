@@ -4,8 +4,8 @@ it loses with the option and under a torchrun restart, and the rejoin's timeline
 import subprocess
 import time
 
-from benchmarks.fault_tolerance.failure import (DILOCO_PERIOD, GROUPS, KILL_STEPS, draw_kill, healed_after, restart_record,
-                                                wait_groups)
+from benchmarks.fault_tolerance.failure import (DILOCO_PERIOD, GROUPS, KILL_STEPS, draw_kill, healed_after,
+                                                restart_record, wait_groups)
 from benchmarks.fault_tolerance.goodput import FULL, TARGET_AT, draw_kills, target_of
 
 
