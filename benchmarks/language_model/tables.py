@@ -24,6 +24,10 @@ README_METHODS = {
 """The README's rows: the baselines a Lightning user would pick, then the package's headline methods."""
 
 
+DATES_KEPT_SINCE = "2026-12-08"
+"""The day the benchmark's runs began to record their launch date."""
+
+
 def network_report() -> dict[str, Any]:
     return result("lm_network")
 
@@ -33,8 +37,8 @@ def seconds(value: float | None) -> str:
 
 
 def launch_dates(report: dict[str, Any], name: str, mbit: float) -> set[str]:
-    """The days the runs of method ``name`` at ``mbit`` were launched ("undated" for runs from before the dates were
-    recorded)."""
+    """The days the runs of method ``name`` at ``mbit`` were launched ("undated" before :data:`DATES_KEPT_SINCE`:
+    launches merged over each other before then are told apart only in git history)."""
     return {run.get("date", "undated") for launch in report["launches"] if launch["node_mbit"] == mbit
             for run in launch.get("runs", []) if run["name"] == name}
 
@@ -54,10 +58,12 @@ def readme_table() -> str:
                 else f"never in {report['config']['budget_s']:g} s (final loss {row['final_val_loss']:.2f})")
         wire = "-" if row["wire_bytes_to_target"] is None else f"{row['wire_bytes_to_target'] / 1e6:.0f}"
         lines.append(f"| {label} | {each} | {mean} | {wire} |")
-    dates = sorted(set().union(*(launch_dates(report, name, README_MBIT) for name in README_METHODS)))
+    dates = set().union(*(launch_dates(report, name, README_MBIT) for name in README_METHODS))
+    days = sorted(dates - {"undated"}) + ([f"before {DATES_KEPT_SINCE}, when runs kept no date"]
+                                         if "undated" in dates else [])
     lines.append("")
     lines.append(f"Target {report['summary']['target_val_loss']:.3f} nats/char ({report['summary']['target_rule']}); "
-                 f"runs launched: {', '.join(dates)}.")
+                 f"runs launched {' and '.join(days)}.")
     return "\n".join(lines)
 
 
