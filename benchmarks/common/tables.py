@@ -26,8 +26,10 @@ from typing import Any
 
 from benchmarks.common.paths import REPO, RESULTS
 
-BLOCK = re.compile(r"(?P<open><!-- table: (?P<target>[\w.]+:\w+) -->\n)(?P<body>.*?)(?P<close><!-- /table -->)",
-                   re.DOTALL)
+BLOCK = re.compile(r"^(?P<open><!-- table: (?P<target>[\w.]+:\w+) -->\n)(?P<body>.*?)(?P<close>^<!-- /table -->)",
+                   re.DOTALL | re.MULTILINE)
+OPENING = re.compile(r"^<!-- table: ", re.MULTILINE)
+"""A block's comments start their lines (a page may name them inside a sentence)."""
 
 
 def result(name: str) -> Any:
@@ -49,7 +51,7 @@ def renderer(target: str) -> Callable[[], str]:
 def blocks(text: str) -> Iterator[re.Match[str]]:
     """Each rendered block of ``text``; an opening comment left without its closing one is refused."""
     found = list(BLOCK.finditer(text))
-    if text.count("<!-- table: ") != len(found):
+    if len(OPENING.findall(text)) != len(found):
         raise ValueError("a '<!-- table: module:function -->' comment has no '<!-- /table -->' after it")
     return iter(found)
 

@@ -38,3 +38,8 @@ def test_a_figure_changed_by_hand_is_found_and_rendered_back(tmp_path: Path) -> 
 def test_an_unclosed_block_is_refused() -> None:
     with pytest.raises(ValueError, match="no '<!-- /table -->'"):
         list(tables.blocks(f"<!-- table: {TARGET} -->\n| a |\n"))
+
+
+def test_a_sentence_that_names_the_comments_is_no_block() -> None:
+    text = "Tables sit between `<!-- table: module:function -->` and `<!-- /table -->`.\n"
+    assert list(tables.blocks(text)) == [] and tables.rendered(text) == text
