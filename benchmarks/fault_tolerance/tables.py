@@ -1,9 +1,11 @@
-"""The fault-tolerance benchmarks' tables, rendered from ``benchmarks/results/ft_goodput.json`` into
-``benchmarks/fault_tolerance/README.md`` and ``docs/launching.md`` (:mod:`benchmarks.common.tables`)."""
+"""The fault-tolerance benchmarks' tables, rendered from ``benchmarks/results/ft_failure.json`` and
+``ft_goodput.json`` into ``benchmarks/fault_tolerance/README.md`` and ``docs/launching.md``
+(:mod:`benchmarks.common.tables`)."""
 
 from __future__ import annotations
 
 from benchmarks.common.tables import result
+from benchmarks.fault_tolerance import failure
 from benchmarks.fault_tolerance.goodput import fmt
 
 GOODPUT_WAYS = {"no_failure": "no failure (option on)",
@@ -30,3 +32,10 @@ def goodput_table() -> str:
               f"{len(report['commands'])} commands, {report['wall_s'] / 60:.0f} min: "
               + "; ".join(f"`{command}`" for command in report["commands"]) + "."]
     return "\n".join(lines)
+
+
+def failure_table() -> str:
+    """The failure benchmark's table as ``--replot`` prints it: each way's time to the target, what the kill cost and
+    the returning group's timeline."""
+    text = failure.table(result("ft_failure")["summary"])
+    return text.replace("\nrestarted, each seed", "\n\nrestarted, each seed")  # the note after it is no table row
