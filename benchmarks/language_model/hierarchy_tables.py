@@ -51,16 +51,6 @@ MOVED = 0.1
 """A relative change of the time to target under NCCL's model that the NCCL table sets in bold."""
 
 
-def measured_report() -> dict[str, Any]:
-    """The measured 2 x 2 JSON."""
-    return result("lm_hierarchy")
-
-
-def simulated_report() -> dict[str, Any]:
-    """The simulator's JSON."""
-    return result("lm_hierarchy_sim")
-
-
 def bold(text: str, emphasised: bool) -> str:
     """``text`` in bold where ``emphasised``."""
     return f"**{text}**" if emphasised else text
@@ -74,7 +64,7 @@ def summary_rows(report: dict[str, Any], mbit: float) -> dict[str, dict[str, Any
 def measured_table() -> str:
     """The 3-seed measurement at :data:`MEASURED_MBIT`: seeds reaching the target, mean (and each seed's) seconds to
     it, final loss, steps, s/step and wire MB between nodes; per-node times, the lowest loss and MB in bold."""
-    report = measured_report()
+    report = result("lm_hierarchy")
     rows = summary_rows(report, MEASURED_MBIT)
     lowest_loss = min(rows[name]["final_val_loss"] for name in MEASURED_LABELS)
     fewest_bytes = min(rows[name]["wire_bytes"] for name in MEASURED_LABELS)
@@ -106,7 +96,7 @@ def paired(pair: tuple[dict[str, Any], ...], key: str, spec: str, scale: float =
 
 def fast_table() -> str:
     """The one-seed measurement at :data:`FAST_MBIT`, flat and per node side by side, the sooner time in bold."""
-    report = measured_report()
+    report = result("lm_hierarchy")
     rows = summary_rows(report, FAST_MBIT)
     lines = [f"| method | s to target | final val loss | steps in {report['config']['budget_s']:g} s | s/step "
              "| wire MB between nodes | syncs |", "|---|---|---|---|---|---|---|"]
@@ -130,10 +120,10 @@ def fast_table() -> str:
 def prediction_table() -> str:
     """The simulator's 2 x 2 prediction (one seed) against the measured means at :data:`MEASURED_MBIT`; a time
     ratio outside 20% in bold."""
-    seeds = {name: len(row["seeds"]) for name, row in summary_rows(measured_report(), MEASURED_MBIT).items()}
+    seeds = {name: len(row["seeds"]) for name, row in summary_rows(result("lm_hierarchy"), MEASURED_MBIT).items()}
     lines = ["| method | s to target: measured | predicted | ratio | final loss: measured | predicted "
              "| steps: measured | predicted |", "|---|---|---|---|---|---|---|---|"]
-    for cell in simulated_report()["prediction"]:
+    for cell in result("lm_hierarchy_sim")["prediction"]:
         if cell["node_mbit"] != MEASURED_MBIT:
             continue
         m, p = cell["measured"], cell["predicted"]
@@ -151,7 +141,7 @@ def prediction_table() -> str:
 
 def scale_runs(collectives: str) -> dict[tuple[int, str], dict[str, Any]]:
     """The simulator's scale runs under ``collectives`` by (nodes, method)."""
-    return {(run["workers"] // run["ranks_per_node"], run["name"]): run for run in simulated_report()["scale"]
+    return {(run["workers"] // run["ranks_per_node"], run["name"]): run for run in result("lm_hierarchy_sim")["scale"]
             if collectives_of(run) == collectives}
 
 

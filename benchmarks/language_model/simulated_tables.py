@@ -27,16 +27,6 @@ SCALE_HIGHLIGHT = "dynamic_default"
 Cell = dict[str, Any]
 
 
-def simulated_report() -> dict[str, Any]:
-    """The simulator's JSON."""
-    return result("lm_sim")
-
-
-def network_report() -> dict[str, Any]:
-    """The measured JSON the simulator predicts."""
-    return result("lm_network")
-
-
 def within(ratio: float) -> bool:
     """Whether a predicted-to-measured ratio is within the goal's 20%."""
     return abs(ratio - 1) <= 0.2
@@ -44,7 +34,7 @@ def within(ratio: float) -> bool:
 
 def cells_of(methods: tuple[str, ...], step: str | None = None) -> list[Cell]:
     """Part 1's cells of ``methods`` (of step kind ``step`` if given): machine step first, fastest link first."""
-    cells = [cell for cell in simulated_report()["prediction"] if cell["name"] in methods
+    cells = [cell for cell in result("lm_sim")["prediction"] if cell["name"] in methods
              and (step is None or cell.get("step", "machine") == step)]
     return sorted(cells, key=lambda cell: (cell.get("step", "machine") != "machine", -cell["node_mbit"],
                                            methods.index(cell["name"])))
@@ -112,10 +102,10 @@ def four_workers(cell: Cell | None) -> str:
 
 def scale_table() -> str:
     """Seconds, MB sent and steps to the target at 16 to 256 simulated workers, beside part 1's 4-worker seconds."""
-    report = simulated_report()
+    report = result("lm_sim")
     mbit = report["config"]["scale_mbit"]
     kwargs = {method["name"]: method.get("strategy", {}).get("kwargs", {})
-              for method in network_report()["config"]["methods"]}
+              for method in result("lm_network")["config"]["methods"]}
     thresholds = {name: given["divergence_threshold"] for name, given in kwargs.items()
                   if "divergence_threshold" in given}
     runs = {(run["name"], run["workers"]): run for run in report["scale"]

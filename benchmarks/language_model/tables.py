@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from benchmarks.common.tables import result
-from benchmarks.language_model.network import table
+from benchmarks.language_model.network import fmt_s, table
 
 README_MBIT = 20.0
 README_METHODS = {
@@ -28,14 +28,6 @@ DATES_KEPT_SINCE = "2026-12-08"
 """The day the benchmark's runs began to record their launch date."""
 
 
-def network_report() -> dict[str, Any]:
-    return result("lm_network")
-
-
-def seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def launch_dates(report: dict[str, Any], name: str, mbit: float) -> set[str]:
     """The days the runs of method ``name`` at ``mbit`` were launched ("undated" before :data:`DATES_KEPT_SINCE`:
     launches merged over each other before then are told apart only in git history)."""
@@ -46,13 +38,13 @@ def launch_dates(report: dict[str, Any], name: str, mbit: float) -> set[str]:
 def readme_table() -> str:
     """Seconds to the target at 20 Mbit/s seed by seed, their mean over the seeds that reached it, and the bytes on the
     wire by then, for :data:`README_METHODS`."""
-    report = network_report()
+    report = result("lm_network")
     rows = {row["name"]: row for row in report["summary"]["rows"] if row["node_mbit"] == README_MBIT}
     lines = ["| method | s to target, seeds 0 / 1 / 2 | mean (seeds reaching) | wire MB to target |",
              "|---|---|---|---|"]
     for name, label in README_METHODS.items():
         row = rows[name]
-        each = " / ".join(seconds(value) for value in row["time_to_target_s_each"])
+        each = " / ".join(fmt_s(value) for value in row["time_to_target_s_each"])
         reached = [value for value in row["time_to_target_s_each"] if value is not None]
         mean = (f"{statistics.fmean(reached):.1f} ({len(reached)} of {len(row['seeds'])})" if reached
                 else f"never in {report['config']['budget_s']:g} s (final loss {row['final_val_loss']:.2f})")
@@ -94,7 +86,7 @@ def summary_rows(report: dict[str, Any], mbit: float, names: tuple[str, ...]) ->
 
 def network_table() -> str:
     """Every bandwidth's row of each method in :data:`NETWORK_METHODS`, in the benchmark's own table format."""
-    report = network_report()
+    report = result("lm_network")
     bandwidths = sorted({row["node_mbit"] for row in report["summary"]["rows"]}, reverse=True)
     return table({"rows": [row for mbit in bandwidths for row in summary_rows(report, mbit, NETWORK_METHODS)]})
 
@@ -102,14 +94,14 @@ def network_table() -> str:
 def streaming_table(mbit: float) -> str:
     """Seconds to the target seed by seed, their mean, wire MB by then, final loss, steps and s/step at ``mbit`` for
     the methods :data:`STREAMING_METHODS` names there."""
-    rows = summary_rows(network_report(), mbit, STREAMING_METHODS[mbit])
+    rows = summary_rows(result("lm_network"), mbit, STREAMING_METHODS[mbit])
     seeds = rows[0]["seeds"]
     label = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + " / ".join(str(seed) for seed in seeds)
     lines = [f"| method | s to target, {label} | mean (seeds) | wire MB to target | final loss | steps | s/step |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
-        each = " / ".join(seconds(value) for value in row["time_to_target_s_each"])
-        mean = f"{seconds(row['time_to_target_s'])} ({row['reached']}/{len(row['seeds'])})"
+        each = " / ".join(fmt_s(value) for value in row["time_to_target_s_each"])
+        mean = f"{fmt_s(row['time_to_target_s'])} ({row['reached']}/{len(row['seeds'])})"
         wire = "-" if row["wire_bytes_to_target"] is None else f"{row['wire_bytes_to_target'] / 1e6:.0f}"
         lines.append(f"| {row['name']} | {each} | {mean} | {wire} | {row['final_val_loss']:.3f} | {row['steps']:.0f} "
                      f"| {row['step_s']:.3f} |")

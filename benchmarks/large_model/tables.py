@@ -5,7 +5,6 @@ into the state the strategy keeps and the synchronization's transient memory."""
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from benchmarks.common.tables import result
 from benchmarks.large_model.run import MIB, render_table
@@ -17,15 +16,10 @@ BASE = "periodic"
 """The row whose window start is the model's training state alone: no strategy state, no DDP buckets."""
 
 
-def large_model_report() -> dict[str, Any]:
-    """The study's report as ``python -m benchmarks.large_model.run`` wrote it."""
-    return result("large_model")
-
-
 def measured_table() -> str:
     """Every row's peak, its difference from DDP's, the strategy's tensors and the timings, rank 0 / rank 1
     (:func:`benchmarks.large_model.run.render_table`), and the run that measured them."""
-    report = large_model_report()
+    report = result("large_model")
     dirty = ", with uncommitted changes to lightning_dist" if report["dirty"] else ""
     return (f"{render_table(report)}\n\n"
             f"From `{report['command']}` ({report['date']}, {report['wall_s']:.0f} s; torch {report['torch']}, "
@@ -37,7 +31,7 @@ def measured_table() -> str:
 def peak_breakdown_table() -> str:
     """Each peak above :data:`BASE`'s window start on the same rank, the part the strategy keeps and the rest, the
     synchronization's transient memory, in model sizes: means over the ranks and the rows named together."""
-    report = large_model_report()
+    report = result("large_model")
     rows = {row["name"]: row["ranks"] for row in report["rows"]}
     base = [rank["rss_window_start"] for rank in rows[BASE]]
 
