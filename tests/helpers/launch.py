@@ -1,4 +1,4 @@
-"""Run a worker script on N real processes with torchrun (Gloo on CPU) and collect per-rank results."""
+"""Run a worker script on N real processes, as torchrun runs them (Gloo on CPU), and collect per-rank results."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.common.process import kill_tree
+from helpers.forked import ForkedJob
 
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 REPO = Path(__file__).resolve().parents[2]
@@ -33,23 +35,63 @@ def stop(agent: subprocess.Popen) -> None:
         agent.wait()
 
 
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment a worker runs in: this one, the repository importable, one thread per rank."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def write_spec(spec: dict[str, Any], out_dir: Path) -> Path:
+    """``spec`` (with ``out``) as ``out_dir/spec.json``, the worker's one argument."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(out_dir)}))
+    return spec_path
+
+
+def wait_jobs(jobs: Sequence[ForkedJob], timeout: float) -> list[int]:
+    """Every job's exit code; all of them killed if one runs past ``timeout`` seconds or the wait is interrupted."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [job.wait(max(0.0, deadline - time.monotonic())) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+
+
 def run_ranks(
     nprocs: int, worker: str, spec: dict[str, Any], out_dir: Path, timeout: float = 240, check: bool = True,
     torchrun_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    """Launch ``tests/workers/<worker>.py spec.json`` under torchrun with ``nprocs`` local ranks (and ``torchrun_args``)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "out": str(out_dir)}))
+    """Run ``tests/workers/<worker>.py spec.json`` on ``nprocs`` local ranks of one job (:class:`ForkedJob`;
+    under torchrun itself with ``torchrun_args``, for what only its agent does). The ranks' output is the result's
+    ``stderr``."""
+    spec_path = write_spec(spec, out_dir)
+    if torchrun_args:
+        return run_torchrun(nprocs, spec_path, worker, timeout, check, torchrun_args)
+    log = out_dir / f"{worker}_ranks.log"
+    log.write_text("")
+    job = ForkedJob(WORKERS / f"{worker}.py", [str(spec_path)], worker_env(), out_dir, log, nprocs)
+    try:
+        code = wait_jobs([job], timeout)[0]
+    except TimeoutError as error:
+        raise AssertionError(f"{error}\n--- ranks' output\n{log.read_text()[-8000:]}") from None
+    result = subprocess.CompletedProcess([worker, str(spec_path)], code, "", log.read_text())
+    if check and code != 0:
+        raise AssertionError(f"the ranks of {worker} exited {code}\n--- ranks' output\n{result.stderr[-8000:]}")
+    return result
+
+
+def run_torchrun(nprocs: int, spec_path: Path, worker: str, timeout: float, check: bool,
+                 torchrun_args: Sequence[str]) -> subprocess.CompletedProcess:
+    """:func:`run_ranks` under torchrun's agent."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", "--nnodes=1",
         "--master_addr=127.0.0.1", f"--master_port={free_port()}", *torchrun_args,
         str(WORKERS / f"{worker}.py"), str(spec_path),
     ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          cwd=out_dir) as agent:
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
+                          cwd=spec_path.parent) as agent:
         try:
             stdout, stderr = agent.communicate(timeout=timeout)
         finally:  # a timeout or an interrupt: the workers too (subprocess.run would kill the agent alone)
@@ -64,34 +106,26 @@ def run_nodes(
     nodes: int, ranks_per_node: int, worker: str, spec: dict[str, Any], out_dir: Path, timeout: float = 240,
     check: bool = True,
 ) -> None:
-    """Launch ``nodes`` torchrun agents on this host as if on ``nodes`` machines (``--nnodes``, ``--node-rank``, one
+    """Run ``nodes`` jobs on this host as if on ``nodes`` machines (torchrun's ``--nnodes``, ``--node-rank``, one
     static rendezvous), each with ``ranks_per_node`` ranks of ``tests/workers/<worker>.py spec.json``; ``check``:
-    raise if an agent failed."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "out": str(out_dir)}))
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-             f"--nproc-per-node={ranks_per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
-             str(WORKERS / f"{worker}.py"), str(spec_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=out_dir)
-        for node in range(nodes)
-    ]
-    outputs = []
+    raise if a job failed."""
+    spec_path = write_spec(spec, out_dir)
+    logs = [out_dir / f"{worker}_node{node}.log" for node in range(nodes)]
+    jobs: list[ForkedJob] = []
+    for node, log in enumerate(logs):
+        log.write_text("")
+        port = jobs[0].master_port if jobs else None
+        jobs.append(ForkedJob(WORKERS / f"{worker}.py", [str(spec_path)], worker_env(), out_dir, log, ranks_per_node,
+                              nodes=nodes, node_rank=node, master_port=port))
     try:
-        for agent in agents:
-            outputs.append(agent.communicate(timeout=timeout)[0])
-    finally:
-        for agent in agents:
-            stop(agent)
-    failed = [(node, agent.returncode) for node, agent in enumerate(agents) if agent.returncode != 0]
+        codes = wait_jobs(jobs, timeout)
+    except TimeoutError as error:
+        raise AssertionError(f"{error}\n" + "\n".join(f"--- node {node}\n{log.read_text()[-6000:]}"
+                                                       for node, log in enumerate(logs))) from None
+    failed = [(node, code) for node, code in enumerate(codes) if code != 0]
     if check and failed:
-        raise AssertionError(f"node agents exited {failed}\n" + "\n".join(f"--- node {node}\n{output[-6000:]}"
-                                                                         for node, output in enumerate(outputs)))
+        raise AssertionError(f"nodes exited {failed}\n" + "\n".join(f"--- node {node}\n{log.read_text()[-6000:]}"
+                                                                     for node, log in enumerate(logs)))
 
 
 def load_results(out_dir: Path, nprocs: int) -> list[dict[str, Any]]:
@@ -145,17 +179,17 @@ def run_replica_groups(
     spec_path = out_dir / "spec.json"
     spec_path.write_text(json.dumps({**spec, "groups": groups, "lighthouse": address, "out": str(out_dir),
                                      "restarted": restarted + ([] if duplicate_group is None else [duplicate_group])}))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", SECRET_ENV: FT_SECRET}
+    env = worker_env(**{SECRET_ENV: FT_SECRET})
 
-    def launch(group: int, *extra: str) -> subprocess.Popen:
-        log = open(out_dir / f"group{group}{''.join(extra)}.log", "w")
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks_per_group}", "--nnodes=1",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKERS / "fault_tolerant.py"),
-                str(spec_path), str(group), *extra]
-        if network is not None:
-            return network.run(group, argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir)
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out_dir)
+    def launch(group: int, *extra: str) -> ForkedJob | subprocess.Popen:
+        log = out_dir / f"group{group}{''.join(extra)}.log"
+        log.write_text("")
+        script, argv = WORKERS / "fault_tolerant.py", [str(spec_path), str(group), *extra]
+        if network is None:
+            return ForkedJob(script, argv, env, out_dir, log, ranks_per_group)
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks_per_group}",
+                   "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *argv]
+        return network.run(group, command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=out_dir)
 
     jobs = {group: launch(group) for group in range(groups)}
     if duplicate_group is not None:
@@ -167,5 +201,5 @@ def run_replica_groups(
         return {group: job.wait(timeout=timeout) for group, job in jobs.items()}
     finally:
         for job in jobs.values():
-            stop(job)
+            job.kill() if isinstance(job, ForkedJob) else stop(job)
         stop_lighthouse()

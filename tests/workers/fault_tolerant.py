@@ -26,7 +26,8 @@ first quorum has every group (a group whose Manager the Lighthouse has not heard
 ``"copy_in_barrier"``: the copy's job too.
 ``"await_restart": STEP`` holds the other groups after optimizer step STEP until every restarted (or copied) job asks
 for its first quorum (then ``"hold_s"`` seconds more), so it rejoins a run still in progress however slowly it starts
-(the Lighthouse forms a quorum of the previous one's groups without waiting for a newcomer that has not asked yet).
+(the Lighthouse forms a quorum of the previous one's groups without waiting for a newcomer that has not asked yet);
+the restarted jobs start training only once a group holds there, so they join there however quickly they start.
 ``"step_sleep"`` slows every optimizer step.
 
 ``"checkpoint"`` writes each group's checkpoint at every epoch's end (``"checkpoint": STEPS``: every STEPS optimizer
@@ -85,7 +86,8 @@ class Record(Callback):
         if trainer.global_step == self.kill_step:
             os._exit(17)  # a crash: no clean-up, no goodbye to the quorum
         if self.hold is not None and trainer.global_step == self.hold[0]:
-            step, marks, seconds = self.hold
+            step, marks, seconds, holding = self.hold
+            holding.touch()
             wait_for(lambda: all(mark.exists() for mark in marks), f"the restarted jobs' marks {marks}")
             time.sleep(seconds)
         time.sleep(self.step_sleep)
@@ -297,8 +299,11 @@ def main() -> None:
             job, jobs = f"{group}{sys.argv[3] if restart else ''}", spec["groups"] + bool(spec.get("copy_in_barrier"))
             after_manager(strategy, lambda: wait_for_others(Path(spec["out"]) / f"{spec['name']}_barrier", job, jobs))
     restarted_marks = [Path(spec["out"]) / f"{spec['name']}_restarted{other}" for other in spec.get("restarted", ())]
-    hold = ((spec["await_restart"], restarted_marks, spec.get("hold_s", 0.0))
+    holding = Path(spec["out"]) / f"{spec['name']}_holding"
+    hold = ((spec["await_restart"], restarted_marks, spec.get("hold_s", 0.0), holding)
             if "await_restart" in spec and not restart and not kill else None)
+    if restart and "await_restart" in spec:  # started at once, it would join before the others reach the step
+        wait_for(holding.exists, f"a group holding at step {spec['await_restart']} ({holding})")
     record = Record(group, kill.get("step") if kill else None, spec.get("step_sleep", 0.0), hold)
     callbacks: list[Callback] = [record]
     if spec.get("checkpoint"):  # every group its own file at every epoch's end, or every N steps
