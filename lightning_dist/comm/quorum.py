@@ -30,9 +30,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import socket
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -98,6 +100,58 @@ def wait_for_lighthouse(url: str, timeout: timedelta) -> None:
                     f"({error}); start it first (torchft_lighthouse --min_replicas 1 ...) or fix "
                     f"TorchFT(lighthouse=...) / TORCHFT_LIGHTHOUSE") from None
         time.sleep(0.2)
+
+
+def run_replica_prefix(run_tag: int) -> str:
+    """What every torchft replica id of a run's groups starts with (a group's is this and its number; torchft adds
+    ``:`` and a UUID per process)."""
+    return f"lightning_dist_{run_tag:010x}_"
+
+
+ENDED = "ended_at_step_"
+"""After :func:`run_replica_prefix`, the mark a run's groups leave at the Lighthouse when their ``fit`` ends."""
+
+HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^:\s<]+)(?::\S*)?: seen')
+"""One heartbeat on torchft 0.2.0's Lighthouse status page: ``old`` once past the Lighthouse's heartbeat timeout."""
+
+
+def mark_ended(url: str, run_tag: int, step: int, timeout: timedelta) -> None:
+    """Leave at the Lighthouse at ``url`` the mark that run ``run_tag`` ended at optimizer step ``step``: a heartbeat
+    under a replica id no group has (the Lighthouse keeps every id it has heard, fresh or old)."""
+    from torchft.coordination import LighthouseClient
+
+    LighthouseClient(url, connect_timeout=timeout).heartbeat(f"{run_replica_prefix(run_tag)}{ENDED}{step}")
+
+
+@dataclass(frozen=True)
+class RunAtLighthouse:
+    """What the Lighthouse's status page says of one run: the step its groups said it ended at (None: no mark), and
+    the groups of it that heartbeat now."""
+
+    ended_at_step: int | None
+    live_groups: frozenset[int]
+
+
+def run_at_lighthouse(url: str, run_tag: int, timeout_s: float) -> RunAtLighthouse | None:
+    """Read run ``run_tag``'s marks and live groups from the status page of the Lighthouse at ``url`` (torchft
+    0.2.0's: it has no other way to list heartbeats); None if the page cannot be read."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=timeout_s) as response:
+            page = response.read().decode("utf-8", "replace")
+    except OSError as error:
+        log.warning("lightning_dist: cannot read the Lighthouse's status at %s/status: %s", url, error)
+        return None
+    prefix = run_replica_prefix(run_tag)
+    ended, live = None, set()
+    for old, replica in HEARTBEAT.findall(page):
+        if not replica.startswith(prefix):
+            continue
+        name = replica[len(prefix):]
+        if name.startswith(ENDED) and name[len(ENDED):].isdigit():
+            ended = max(ended or 0, int(name[len(ENDED):]))
+        elif name.isdigit() and not old:
+            live.add(int(name))
+    return RunAtLighthouse(ended, frozenset(live))
 
 
 def check_bind_address(address: str) -> str:

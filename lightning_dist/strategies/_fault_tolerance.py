@@ -64,7 +64,14 @@ from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.comm import Communicator, new_group
 from lightning_dist.comm.communicator import HOST
 from lightning_dist.comm.nodes import NodeLayout
-from lightning_dist.comm.quorum import QuorumCommunicator, torchft_manager, wait_for_lighthouse
+from lightning_dist.comm.quorum import (
+    QuorumCommunicator,
+    mark_ended,
+    run_at_lighthouse,
+    run_replica_prefix,
+    torchft_manager,
+    wait_for_lighthouse,
+)
 from lightning_dist.data.resume import start_at_batch
 from lightning_dist.strategies._checkpoint import (
     CHECKPOINT_KEY,
@@ -174,7 +181,7 @@ class ReplicaGroups:
         tag = run_tag(secret)
         make_manager = partial(
             torchft_manager, group_rank=self.comm.rank, group_world_size=self.comm.world_size,
-            replica_id=f"lightning_dist_{tag:010x}_{group}", lighthouse=option.lighthouse_address(),
+            replica_id=f"{run_replica_prefix(tag)}{group}", lighthouse=option.lighthouse_address(),
             min_replicas=option.min_replicas, timeout=option.timeout, quorum_timeout=option.quorum_timeout,
             state_dict=self.recovery_state, load_state_dict=self.load_recovery_state, secret=secret,
             bind_address=option.bind_address)
@@ -204,7 +211,7 @@ class ReplicaGroups:
         self._resume_data_position = False
         deadline = time.monotonic() + option.quorum_timeout.total_seconds()
         quorum = self._windows.quorum
-        tries = 0
+        tries, ended_since = 0, None
         # should_commit's answer and whether any rank was healed (group_any in the window) are the same on every rank
         # of the job; the quorum's size is each rank's Manager's, so whether it was short is agreed (group_any).
         while not (self.end_window("setup") and (quorum.healed or not self.group_any(
@@ -215,6 +222,16 @@ class ReplicaGroups:
                 raise RuntimeError(f"replica group {quorum.group} could not join the run within quorum_timeout "
                                    f"({option.quorum_timeout}): {reason} (a fresh run starts with every group; a "
                                    f"restarted group joins a live one)")
+            ended = self.ended_run() if self.comm.rank == 0 else None  # the Lighthouse read once for the job
+            ended_since = None if ended is None else ended_since or time.monotonic()
+            if self.group_any(ended is not None and time.monotonic() - ended_since >= option.timeout.total_seconds()):
+                raise RuntimeError(
+                    f"replica group {quorum.group} was started again after its run ended: "
+                    + (f"the run's groups ended their fit at step {ended} (their mark at the Lighthouse "
+                       f"{option.lighthouse_address()}) and none of them is alive, so there is nothing to join; the "
+                       f"run's final model is in their checkpoints. A new run of the same length that reuses this "
+                       f"run's secret at this Lighthouse needs a secret of its own" if ended is not None else
+                       "see the job's rank 0"))
             if tries % 60 == 0:  # the first, then about once a minute
                 log.warning("lightning_dist: replica group %d: its join did not hold (%s); joining at the next window",
                             quorum.group, reason)
@@ -230,6 +247,37 @@ class ReplicaGroups:
                 self._peer_checkpoint = joined_checkpoint(trainer, joined["training"])
                 trainer._checkpoint_connector._loaded_checkpoint = self._peer_checkpoint
                 self._resume_data_position = True
+
+    def ended_run(self) -> int | None:
+        """The step this run ended at if it has ended: its groups left their mark at the Lighthouse when their
+        ``fit`` ended (:meth:`mark_run_ended`) at a step this trainer would not go past, and no other group of the
+        run heartbeats. None otherwise, or if the Lighthouse's status cannot be read (the join then waits up to
+        ``quorum_timeout``, as for a run in progress). The join fails once this has held for the option's
+        ``timeout``: the groups of a new run that reuses a finished run's secret at its Lighthouse, with no larger
+        ``max_steps``, must start within it of each other."""
+        option = self.fault_tolerance
+        assert option is not None and self._windows is not None
+        run = run_at_lighthouse(option.lighthouse_address(), self._windows.quorum.run_tag,
+                                option.timeout.total_seconds())
+        if run is None or run.ended_at_step is None or run.live_groups - {option.group()}:
+            return None
+        max_steps = self.lightning_module.trainer.max_steps
+        return None if 0 <= max_steps and run.ended_at_step < max_steps else run.ended_at_step
+
+    def mark_run_ended(self) -> None:
+        """At the end of ``fit`` (this group's last window is over), leave the mark :meth:`ended_run` reads: a
+        group started again after the others ended fails at once, naming why, instead of waiting
+        ``quorum_timeout`` for a quorum nobody will join. From the job's rank 0; a Lighthouse that is gone by
+        now is only logged."""
+        option = self.fault_tolerance
+        if option is None or self._windows is None or self.comm.rank != 0:
+            return
+        step = self.lightning_module.trainer.global_step
+        try:
+            mark_ended(option.lighthouse_address(), self._windows.quorum.run_tag, step, option.timeout)
+        except (RuntimeError, OSError) as error:  # torchft's client raises RuntimeError when it cannot connect
+            log.warning("lightning_dist: replica group %d could not mark the run ended at step %d at the "
+                        "Lighthouse: %s", option.group(), step, error)
 
     @property
     def lightning_restore_optimizer(self) -> bool:

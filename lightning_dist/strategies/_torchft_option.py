@@ -48,7 +48,8 @@ class TorchFT:
         replica_group: this job's group, in ``[0, num_replica_groups)``; None (default): the ``REPLICA_GROUP_ID``
             environment variable (torchft's convention), read when the job sets the strategy up.
         lighthouse: the Lighthouse's address (``http://host:port``); None (default): ``TORCHFT_LIGHTHOUSE``.
-        timeout: how long one exchange, commit or recovery may take before it counts as failed.
+        timeout: how long one exchange, commit or recovery may take before it counts as failed; also how long a
+            group started again finds its run ended at the Lighthouse, with no other group alive, before it fails.
         quorum_timeout: how long a group waits for a quorum. A restarted group waits there for the others to end
             their window, so this must exceed a window's length. Default 30 minutes.
         max_retries: how many windows in a row a group may discard during training (each rolled back to the last

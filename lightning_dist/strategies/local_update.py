@@ -431,6 +431,7 @@ class LocalUpdateStrategy(ReplicaGroups, ReplicaAveraging, ReplicaCheckpoints, D
             consensus = self.consensus("final")
             self.set_common_model(consensus)
             self.on_replicas_averaged(consensus)
+        self.mark_run_ended()
         self.log_comm_stats()
 
     def on_exception(self, exception: BaseException) -> None:

@@ -2,6 +2,7 @@
 with failures injected as torchft's own integration tests do (a group's processes exit, once inside a window and once
 inside the exchange, and one is started again); refusals by name."""
 
+import time
 from datetime import timedelta
 
 import lightning as L
@@ -601,6 +602,21 @@ def test_a_group_that_keeps_discarding_windows_fails_after_max_retries(tmp_path)
     log = (tmp_path / "group0.log").read_text()
     assert "3 windows in a row were discarded, more than TorchFT(max_retries=2)" in log
     assert "it met 1 group(s) (1 contributing), fewer than min_replicas" in log
+
+
+def test_a_group_started_again_after_its_run_ended_fails_at_once_naming_why(tmp_path):
+    """Group 1 dies at step 6 and its job is started again from its newest checkpoint (``ckpt_path: last``) only
+    once group 0 has ended its fit at step 12: instead of waiting quorum_timeout (120 s here) for a quorum nobody
+    will join, it fails once the option's timeout (10 s) has passed, naming the step the run ended at."""
+    spec = {"name": "after_end", "max_steps": 12, "start_barrier": True, "checkpoint": 4, "restart_from_last": True,
+            "timeout": 10,
+            "restart_after_end": True, "strategy": {"period": PERIOD}, "kill": {"group": 1, "step": 6}}
+    start = time.monotonic()
+    codes = run_replica_groups(2, 1, spec, tmp_path, restart_group=1, timeout=240)
+    assert time.monotonic() - start < 60  # the whole run, the restarted job's failure included
+    assert codes[0] == 0 and codes[1] != 0 and codes[2] != 0
+    log = (tmp_path / "group1restart.log").read_text()
+    assert "replica group 1 was started again after its run ended: the run's groups ended their fit at step 12" in log
 
 
 def test_every_group_resumes_from_its_own_checkpoint_after_a_total_loss(runs):

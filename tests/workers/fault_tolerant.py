@@ -28,6 +28,7 @@ first quorum has every group (a group whose Manager the Lighthouse has not heard
 for its first quorum (then ``"hold_s"`` seconds more), so it rejoins a run still in progress however slowly it starts
 (the Lighthouse forms a quorum of the previous one's groups without waiting for a newcomer that has not asked yet);
 the restarted jobs start training only once a group holds there, so they join there however quickly they start.
+``"restart_after_end"``: a restarted job starts only once every other group's job has written its results.
 ``"step_sleep"`` slows every optimizer step.
 
 ``"checkpoint"`` writes each group's checkpoint at every epoch's end (``"checkpoint": STEPS``: every STEPS optimizer
@@ -304,6 +305,9 @@ def main() -> None:
             if "await_restart" in spec and not restart and not kill else None)
     if restart and "await_restart" in spec:  # started at once, it would join before the others reach the step
         wait_for(holding.exists, f"a group holding at step {spec['await_restart']} ({holding})")
+    if restart and spec.get("restart_after_end"):  # started again once every other group's job has ended its fit
+        wait_for(lambda: all((out / f"group{other}_rank0.pt").exists() for other in range(spec["groups"])
+                             if other != group), "the other groups' results")
     record = Record(group, kill.get("step") if kill else None, spec.get("step_sleep", 0.0), hold)
     callbacks: list[Callback] = [record]
     if spec.get("checkpoint"):  # every group its own file at every epoch's end, or every N steps
