@@ -121,3 +121,60 @@ def streaming_table_5() -> str:
 def streaming_table_1000() -> str:
     """The streaming comparison at 1000 Mbit/s (the floor: the network out of the way)."""
     return streaming_table(1000.0)
+
+
+ISSUE27_METHODS = {
+    "ddp_powersgd_r4": "DDP + PowerSGD rank 4",
+    "ddp_powersgd_r1": "DDP + PowerSGD rank 1",
+    "ddp_fp16": "DDP + fp16 compression",
+    "ddp": "DDP (plain, earlier launches)",
+    "periodic_h50": "periodic averaging every 50",
+    "periodic_h50_int8": "periodic every 50, **int8**",
+    "dynamic_default": "dynamic averaging, defaults",
+    "dynamic_default_int8": "dynamic averaging, defaults, **int8**",
+    "gossip_p50_r1": "segmented gossip S=4 R=1 every 50",
+    "gossip_p50_r2": "segmented gossip S=4 R=2 every 50",
+    "gossip_p20_r1": "segmented gossip S=4 R=1 every 20",
+    "segmented_gossip": "segmented gossip S=4 R=2 every 10 (earlier)",
+    "downpour": "DownpourSGD, push every 5",
+    "downpour_p50": "DownpourSGD, push every 50",
+    "downpour_p50_int8": "DownpourSGD, push every 50, **int8**",
+    "downpour_p20_int8": "DownpourSGD, push every 20, int8",
+}
+"""The issue-27 table's rows, in its order."""
+
+ISSUE27_BOLD = ("periodic_h50_int8", "dynamic_default_int8")
+"""Its rows in bold: the package's best methods there."""
+
+
+def issue27_table() -> str:
+    """Issue 27's launches at 20 Mbit/s (``lm_network_issue27.json``: rows later launches replaced in
+    ``lm_network.json``): seconds to the target per seed (final losses where the budget ended first), the first
+    launch's runs in brackets where a later launch replaced them, the mean over the seeds that reached it, wire MB by
+    then, the mean final loss and steps; the package's best methods in bold."""
+    archive = result("lm_network_issue27")
+    lines = ["| method | s to target, seeds 0 / 1 / 2 | mean | wire MB to target | final loss (mean) | steps |",
+             "|---|---|---|---|---|---|"]
+    for name, label in ISSUE27_METHODS.items():
+        runs, first = ([run for run in sorted(archive[key], key=lambda run: run["seed"]) if run["name"] == name]
+                       for key in ("runs", "first_runs"))
+        reached = [run["time_to_target_s"] for run in runs if run["time_to_target_s"] is not None]
+        times = " / ".join(fmt_s(run["time_to_target_s"]) for run in runs)
+        if name == "ddp":
+            mean = f"{archive['ddp_projected_time_to_target_s']:.0f} projected"
+        elif reached:
+            mean = f"{statistics.fmean(reached):.1f}" + ("" if len(reached) == len(runs) else f" ({len(reached)} seeds)")
+        else:
+            mean = "-"
+        wire = (" / ".join("-" if run["wire_bytes_to_target"] is None else f"{run['wire_bytes_to_target'] / 1e6:.0f}"
+                           for run in runs) if reached else "-")
+        if name in ISSUE27_BOLD:
+            times, mean, wire = f"**{times}**", f"**{mean}**", f"**{wire}**"
+        missed = [run["final_val_loss"] for run in runs if run["time_to_target_s"] is None]
+        if missed:
+            times += f" ({', '.join(f'{loss:.{3 if len(missed) == 1 else 2}f}' for loss in missed)})"
+        if first:
+            times += f" [first: {' / '.join(fmt_s(run['time_to_target_s']) for run in first)}]"
+        loss, steps = (statistics.fmean(run[key] for run in runs) for key in ("final_val_loss", "steps"))
+        lines.append(f"| {label} | {times} | {mean} | {wire} | {loss:.3f} | {steps:.0f} |")
+    return "\n".join(lines)
