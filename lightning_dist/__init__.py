@@ -4,6 +4,7 @@ Importing the package registers the strategy names ``"dynamic_avg"``, ``"periodi
 ``"fedavg"``, ``"downpour_sgd"`` and ``"segmented_gossip"`` with Lightning's ``StrategyRegistry``.
 """
 
+from lightning_dist.algorithms.sparse_compression import SparseCodec
 from lightning_dist.callbacks import CDGraB, DataGossip
 from lightning_dist.comm import CommStats
 from lightning_dist.data import CDGraBSampler
@@ -31,6 +32,7 @@ __all__ = [
     "NonFiniteModelError",
     "PeriodicAveragingStrategy",
     "SegmentedGossipStrategy",
+    "SparseCodec",
     "TorchFT",
     "register_strategies",
 ]

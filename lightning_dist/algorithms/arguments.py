@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 from torch.optim import Optimizer
 
-from lightning_dist.algorithms.compression import CODECS
+from lightning_dist.algorithms.compression import CODECS, Codec
+from lightning_dist.algorithms.sparse_compression import SparseCodec
 from lightning_dist.algorithms.outer import OuterOptimizerFactory
 
 
@@ -105,10 +106,17 @@ def check_option(name: str, value: object, options: tuple[str, ...], meaning: st
     return value  # type: ignore[return-value]
 
 
-def check_compression(value: object) -> str | None:
-    """``compression``: None (models travel in their dtype) or one of :data:`~lightning_dist.algorithms.compression.CODECS`."""
+def check_compression(value: object, sparse_unsupported: str | None = None) -> Codec | None:
+    """``compression``: None (models travel in their dtype), one of :data:`~lightning_dist.algorithms.compression.CODECS`
+    or a :class:`~lightning_dist.algorithms.sparse_compression.SparseCodec`; ``sparse_unsupported``: what refuses the
+    latter, named in the error (None: it is taken)."""
+    if isinstance(value, SparseCodec):
+        if sparse_unsupported is not None:
+            raise ValueError(f"compression={value!r} is not built for {sparse_unsupported} yet; use 'int8' or 'bf16'")
+        return value
     return check_option("compression", value, CODECS,
-                        "what a full synchronization sends: the model delta in that format, with error feedback")
+                        "what a full synchronization sends: the model delta in that format, with error feedback; or a "
+                        "lightning_dist.algorithms.sparse_compression.SparseCodec")
 
 
 HIERARCHIES = ("node",)

@@ -45,15 +45,18 @@ all-reduce: a quarter of its float32 bytes with int8 (plus 4 bytes per 1024 elem
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.averaging import accumulation_dtype
+from lightning_dist.algorithms.sparse_compression import SparseCodec, SparseEncoded
 from lightning_dist.algorithms.subset_average import chunk_bounds
 
 CODECS = ("bf16", "int8")
+Codec = Union[str, SparseCodec]
+"""A codec: one of :data:`CODECS`, or a :class:`~lightning_dist.algorithms.sparse_compression.SparseCodec`."""
 INT8_BLOCK = 1024
 """Elements per int8 scale: 4 bytes of scale per 1024 one-byte codes (0.4% more bytes)."""
 INT8_LEVELS = 127
@@ -70,8 +73,10 @@ def num_blocks(num_elements: int) -> int:
     return -(-num_elements // INT8_BLOCK)
 
 
-def encode(vector: Tensor, codec: str) -> Encoded:
+def encode(vector: Tensor, codec: Codec) -> Encoded | SparseEncoded:
     """``vector`` (any float dtype) compressed with ``codec``."""
+    if isinstance(codec, SparseCodec):
+        return codec.encode(vector)
     if codec == "bf16":
         return Encoded(vector.to(torch.bfloat16), vector.new_empty(0, dtype=torch.float32))
     values = vector.to(torch.float32)
@@ -86,8 +91,12 @@ def encode(vector: Tensor, codec: str) -> Encoded:
     return Encoded(codes.view(-1)[: values.numel()], scales)
 
 
-def decode(encoded: Encoded, codec: str) -> Tensor:
-    """The float32 values ``encoded`` stands for."""
+def decode(encoded: Encoded | SparseEncoded, codec: Codec, num_elements: int | None = None) -> Tensor:
+    """The float32 values of the vector ``encoded`` stands for (its ``num_elements`` needed for a sparse codec: a
+    sparse encoding's size does not tell it)."""
+    if isinstance(codec, SparseCodec):
+        assert num_elements is not None, "a sparse encoding decodes to a length its caller knows"
+        return codec.decode(encoded, num_elements)
     if codec == "bf16":
         return encoded.codes.to(torch.float32)
     codes = encoded.codes
@@ -95,21 +104,38 @@ def decode(encoded: Encoded, codec: str) -> Tensor:
     return padded.view(-1, INT8_BLOCK).mul_(encoded.scales[:, None]).view(-1)[: codes.numel()]
 
 
-def encoded_nbytes(num_elements: int, codec: str) -> int:
+def empty_encoded(num_elements: int, codec: Codec, device: torch.device | None = None) -> Encoded | SparseEncoded:
+    """Buffers to receive the encoding of a vector of ``num_elements`` into."""
+    if isinstance(codec, SparseCodec):
+        return codec.empty(num_elements, device)
+    codes = torch.empty(num_elements, dtype=torch.int8 if codec == "int8" else torch.bfloat16, device=device)
+    scales = torch.empty(num_blocks(num_elements) if codec == "int8" else 0, dtype=torch.float32, device=device)
+    return Encoded(codes, scales)
+
+
+def encoded_nbytes(num_elements: int, codec: Codec) -> int:
     """Bytes of :func:`encode`'s output for a vector of ``num_elements``."""
+    if isinstance(codec, SparseCodec):
+        return codec.nbytes(num_elements)
     if codec == "bf16":
         return 2 * num_elements
     return num_elements + 4 * num_blocks(num_elements)
 
 
-def encoded_chunks_nbytes(num_elements: int, ranks: int, codec: str) -> int:
+def error_decay(codec: Codec) -> float:
+    """What a rank's residual keeps of itself at each exchange (``e <- decay * e + delta``): a sparse codec's
+    ``decay`` (SparseLoCo's ``beta``), else 1."""
+    return codec.decay if isinstance(codec, SparseCodec) else 1.0
+
+
+def encoded_chunks_nbytes(num_elements: int, ranks: int, codec: Codec) -> int:
     """The encoded bytes of a vector of ``num_elements`` cut into the ``ranks`` owners' chunks: the size a compressed
     synchronization reduces and gathers (a float32 one's is ``4 * num_elements``)."""
     bounds = chunk_bounds(num_elements, list(range(ranks))).values()
     return sum(encoded_nbytes(stop - start, codec) for start, stop in bounds)
 
 
-def compressed_sync_nbytes(num_parameters: int, num_buffers: int, ranks: int, codec: str, dtype: torch.dtype) -> int:
+def compressed_sync_nbytes(num_parameters: int, num_buffers: int, ranks: int, codec: Codec, dtype: torch.dtype) -> int:
     """The size a compressed full synchronization of ``ranks`` moves as a ring all-reduce would: the parameters'
     encoded chunks, and the buffers in :func:`accumulation_dtype` of the model's ``dtype`` (averaged exactly)."""
     element = torch.empty(0, dtype=accumulation_dtype(dtype)).element_size()
@@ -117,23 +143,26 @@ def compressed_sync_nbytes(num_parameters: int, num_buffers: int, ranks: int, co
 
 
 def compress_chunks(
-    update: Tensor, residual: Tensor, codec: str, bounds: Sequence[tuple[int, int]], overwrite: bool = False
-) -> tuple[list[Encoded], Tensor]:
-    """``update + residual`` compressed chunk by chunk (int8 blocks start at each chunk), and the new residual.
+    update: Tensor, residual: Tensor, codec: Codec, bounds: Sequence[tuple[int, int]], overwrite: bool = False,
+    decay: float = 1.0,
+) -> tuple[list[Encoded | SparseEncoded], Tensor]:
+    """``update + decay * residual`` compressed chunk by chunk (int8 blocks and sparse chunks start at each chunk),
+    and the new residual.
 
     Chunks are compressed apart so that each owner's piece decodes on its own. The new residual is formed in
     ``update`` itself when ``overwrite`` (a float32 tensor of the caller's own, with no other use), else in a new
     tensor: no temporary of the vector's size either way (a bucket of a large model's synchronization).
     """
-    value = update.add_(residual) if overwrite else update.to(torch.float32) + residual
+    decayed = residual if decay == 1.0 else residual * decay
+    value = update.add_(decayed) if overwrite else update.to(torch.float32) + decayed
     pieces = [encode(value[start:stop], codec) for start, stop in bounds]
     for piece, (start, stop) in zip(pieces, bounds):
-        value[start:stop].sub_(decode(piece, codec))
+        value[start:stop].sub_(decode(piece, codec, stop - start))
     return pieces, value
 
 
 def compressed_mean(
-    deltas: Sequence[Tensor], worker_residuals: Sequence[Tensor], owner_residuals: Sequence[Tensor], codec: str,
+    deltas: Sequence[Tensor], worker_residuals: Sequence[Tensor], owner_residuals: Sequence[Tensor], codec: Codec,
     contributors: int | None = None,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """One compressed synchronization of ``m`` ranks in one process: the executable definition.
@@ -143,27 +172,29 @@ def compressed_mean(
     ``0..m-1``), all float32. Returns the applied update ``D(Q(u))`` (every replica's new model is
     ``r`` plus it) and the new residuals. ``u`` divides the chunks' sums by ``contributors`` (default ``m``): a
     rank whose delta and residual are zero (a replica group healed in this window, under ``fault_tolerance``)
-    is then not counted.
+    is then not counted. A rank's residual decays by :func:`error_decay` before its delta is added (a sparse
+    codec's ``beta``); an owner's does not (it is what compressing the mean dropped).
     """
     ranks = list(range(len(deltas)))
     bounds = list(chunk_bounds(deltas[0].numel(), ranks).values())
     compressed, new_worker = [], []
     for delta, residual in zip(deltas, worker_residuals):
-        pieces, residual = compress_chunks(delta, residual, codec, bounds)
+        pieces, residual = compress_chunks(delta, residual, codec, bounds, decay=error_decay(codec))
         compressed.append(pieces)
         new_worker.append(residual)
     applied, new_owner = [], []
     for owner, residual in zip(ranks, owner_residuals):
-        chunk_sum = sum(decode(pieces[owner], codec) for pieces in compressed)
-        pieces, residual = compress_chunks(chunk_sum / (contributors or len(ranks)), residual, codec, [(0, residual.numel())])
-        applied.append(decode(pieces[0], codec))
+        length = bounds[owner][1] - bounds[owner][0]
+        chunk_sum = sum(decode(pieces[owner], codec, length) for pieces in compressed)
+        pieces, residual = compress_chunks(chunk_sum / (contributors or len(ranks)), residual, codec, [(0, length)])
+        applied.append(decode(pieces[0], codec, length))
         new_owner.append(residual)
     return torch.cat(applied), new_worker, new_owner
 
 
 def compressed_model_mean(
     models: Sequence[Tensor], common: Tensor, num_parameters: int, worker_residuals: Sequence[Tensor],
-    owner_residuals: Sequence[Tensor], codec: str,
+    owner_residuals: Sequence[Tensor], codec: Codec,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """A compressed full synchronization of whole model vectors in one process: the new common model, the same on
     every rank, in the models' dtype.

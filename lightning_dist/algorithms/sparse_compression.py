@@ -10,8 +10,14 @@ SparseLoCo (Sarfi, Thérien, Lidin and Belilovsky 2025, arXiv 2508.15706, Algori
 - ``e_r <- e_r - Delta_hat_r``: what was not sent, or sent rounded, stays for the next window;
 - ``Delta = mean_r Delta_hat_r`` and ``theta <- theta - alpha * Delta``.
 
-:class:`SparseCodec` is ``Q(TopK(.))`` with its wire format; :func:`error_feedback_step` is the accumulator's
-update around it; :func:`sparse_mean` the definition of the exchange in one process.
+:class:`SparseCodec` is ``Q(TopK(.))`` with its wire format. The exchange around it is
+:mod:`lightning_dist.algorithms.compression`'s, the package's int8 and bf16 exchanges' with this codec: each rank
+sends each chunk owner the sparse encoding of its accumulator's chunk (``decay`` is ``beta``), each owner sums the
+pieces it receives, encodes its chunk of the mean the same way (keeping what that drops as its own residual) and
+sends it to every rank. That is where this departs from the paper, whose ranks all-gather their sparse updates:
+an all-gather sends every rank's ``k`` entries to every other, ``(R - 1)`` times the payload per rank, which grows
+with the learners (127 payloads at 128 nodes); the owners' re-encoding keeps a rank's bytes at about two payloads
+whatever the number of learners, at the price of a second compression of the mean.
 
 The wire format of a vector of ``n`` elements, cut into chunks of ``chunk`` elements (the last one shorter), each
 keeping ``k = ceil(density * length)`` entries:
@@ -31,14 +37,12 @@ lower position (a stable sort), so every rank picks the same entries from the sa
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_count, check_number
 
 SPARSE_BITS = (1, 2, 3, 4, 8, 32)
 """The value widths :class:`SparseCodec` offers: a table of ``2**bits`` levels per chunk, or float32 (32)."""
@@ -76,26 +80,36 @@ def unpack_bits(packed: Tensor, width: int, count: int) -> Tensor:
 @dataclass(frozen=True)
 class SparseCodec:
     """``Q(TopK(.))``: per chunk of ``chunk`` elements, the ``ceil(density * length)`` entries of largest magnitude,
-    their values at ``bits`` bits (see the module).
+    their values at ``bits`` bits (see the module); a strategy's ``compression=SparseCodec(...)``.
 
     Args:
         density: the fraction of each chunk's entries sent, in ``(0, 1]`` (SparseLoCo: 0.01-0.03).
         bits: the width of a sent value, one of :data:`SPARSE_BITS` (SparseLoCo: 2; 32 sends float32 values).
         chunk: elements per chunk, in ``[2, 65536]`` (SparseLoCo's chunks hold 4096): the unit ``k`` is taken in, and
             what sets a position's width (``ceil(log2(chunk))`` bits).
+        decay: ``beta``, what the error-feedback accumulator keeps of itself at each exchange, in ``(0, 1]``.
+            Default 1: nothing not sent is lost, only delayed (classic error feedback, as the package's int8 and
+            bf16 exchanges); SparseLoCo decays it (``beta < 1``), the accumulator then standing in for DiLoCo's outer
+            momentum.
     """
 
     density: float
     bits: int = 2
     chunk: int = 4096
+    decay: float = 1.0
 
     def __post_init__(self) -> None:
-        check_number("density", self.density, 0.0, strict=True, meaning=" (the fraction of each chunk sent)")
-        if self.density > 1:
-            raise ValueError(f"density must be in (0, 1] (the fraction of each chunk sent); got {self.density!r}")
+        for name, meaning in (("density", "the fraction of each chunk sent"),
+                              ("decay", "what the error-feedback accumulator keeps of itself")):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not 0 < value <= 1):
+                raise ValueError(f"{name} must be a number in (0, 1] ({meaning}); got {value!r}")
         if self.bits not in SPARSE_BITS or isinstance(self.bits, bool):
             raise ValueError(f"bits must be one of {SPARSE_BITS} (the width of a sent value); got {self.bits!r}")
-        check_count("chunk", self.chunk, 2, 65536, " (elements per chunk of top-k)")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or not 2 <= self.chunk <= 65536:
+            raise ValueError(f"chunk must be an integer in [2, 65536] (elements per chunk of top-k); got "
+                             f"{self.chunk!r}")
 
     @property
     def position_bits(self) -> int:
@@ -114,11 +128,19 @@ class SparseCodec:
     def nbytes(self, num_elements: int) -> int:
         """The bytes :meth:`encode` puts on the wire for a vector of ``num_elements``: the same for every vector of
         that size, so the byte count of an exchange is known before it runs."""
+        return self.empty(num_elements, torch.device("meta")).nbytes()
+
+    def empty(self, num_elements: int, device: torch.device | None = None) -> SparseEncoded:
+        """Buffers to receive the encoding of a vector of ``num_elements`` into."""
         blocks = self.blocks(num_elements)
         kept = sum(chunks * self.kept(length) for _, chunks, length in blocks)
         chunks = sum(chunks for _, chunks, _ in blocks)
-        values = 4 * kept if self.bits == 32 else -(-kept * self.bits // 8) + 4 * chunks * 2 ** self.bits
-        return -(-kept * self.position_bits // 8) + values
+        positions = torch.empty(-(-kept * self.position_bits // 8), dtype=torch.uint8, device=device)
+        if self.bits == 32:
+            return SparseEncoded(positions, torch.empty(0, dtype=torch.uint8, device=device),
+                                 torch.empty(kept, dtype=torch.float32, device=device))
+        return SparseEncoded(positions, torch.empty(-(-kept * self.bits // 8), dtype=torch.uint8, device=device),
+                             torch.empty(chunks, 2 ** self.bits, dtype=torch.float32, device=device))
 
     def encode(self, vector: Tensor) -> SparseEncoded:
         """``vector`` (1-D, any float dtype, finite) in the wire format."""
@@ -182,27 +204,3 @@ def equal_count_levels(values: Tensor, levels: int) -> tuple[Tensor, Tensor]:
     sums = values.new_zeros(rows, levels).scatter_add_(1, code, values)
     counts = values.new_zeros(rows, levels).scatter_add_(1, code, torch.ones_like(values))
     return code, torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
-
-
-def error_feedback_step(delta: Tensor, residual: Tensor, beta: float, codec: SparseCodec) -> tuple[SparseEncoded,
-                                                                                                    Tensor, Tensor]:
-    """SparseLoCo's accumulator around one exchange: ``e <- beta * e + delta``, send ``Q(TopK(e))``, keep
-    ``e - D(Q(TopK(e)))``. Returns the encoding, what it decodes to, and the new residual (float32)."""
-    accumulated = residual.to(torch.float32) * beta + delta.to(torch.float32)
-    encoded = codec.encode(accumulated)
-    sent = codec.decode(encoded, accumulated.numel())
-    return encoded, sent, accumulated - sent
-
-
-def sparse_mean(deltas: Sequence[Tensor], residuals: Sequence[Tensor], beta: float, codec: SparseCodec,
-                contributors: int | None = None) -> tuple[Tensor, list[Tensor], list[int]]:
-    """One sparse exchange of ``len(deltas)`` ranks in one process, the executable definition: every rank's
-    :func:`error_feedback_step`, and the mean of what they sent, divided by ``contributors`` (default: every rank).
-    Returns the mean (float32), the new residuals and the bytes each rank sent."""
-    encodings, residuals_after, sent_bytes = [], [], []
-    for delta, residual in zip(deltas, residuals):
-        encoded, sent, residual = error_feedback_step(delta, residual, beta, codec)
-        encodings.append(sent)
-        residuals_after.append(residual)
-        sent_bytes.append(encoded.nbytes())
-    return torch.stack(encodings).sum(dim=0) / (contributors or len(deltas)), residuals_after, sent_bytes

@@ -25,20 +25,22 @@ from torch import Tensor
 
 from lightning_dist.algorithms.averaging import accumulation_dtype
 from lightning_dist.algorithms.compression import (
-    Encoded,
+    Codec,
     compress_chunks,
     decode,
+    empty_encoded,
     encode,
-    num_blocks,
+    error_decay,
 )
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.comm import Communicator
 
 
 class CompressedAverage:
-    """This rank's side of compressed full synchronizations (``codec``: ``"bf16"`` or ``"int8"``)."""
+    """This rank's side of compressed full synchronizations (``codec``: ``"bf16"``, ``"int8"`` or a
+    :class:`~lightning_dist.algorithms.sparse_compression.SparseCodec`)."""
 
-    def __init__(self, codec: str) -> None:
+    def __init__(self, codec: Codec) -> None:
         self.codec = codec
         self.common: Tensor | None = None  # the model every replica held after the last full synchronization
         self.residual: Tensor | None = None  # e_i: what this rank's compressions dropped, still to be sent
@@ -92,14 +94,15 @@ class CompressedAverage:
         if contributes:
             delta = (local[:num_parameters].to(dtype) - anchor).to(torch.float32)  # a new tensor: the residual's
             pieces, self.residual = compress_chunks(delta, self.residual, self.codec, list(bounds.values()),
-                                                    overwrite=True)
+                                                    overwrite=True, decay=error_decay(self.codec))
         else:
             pieces = [encode(torch.zeros(end - begin, dtype=torch.float32, device=local.device), self.codec)
                       for begin, end in bounds.values()]
         received = self._exchange(comm, {owner: pieces[owner] for owner in ranks if owner != rank},
                                   {source: bounds[rank] for source in ranks if source != rank}, purpose)
         received[rank] = pieces[rank]
-        chunk_sum = sum(decode(received[source], self.codec) for source in ranks)  # a new tensor: the residual's
+        chunk_sum = sum(decode(received[source], self.codec, stop - start)  # a new tensor: the residual's
+                        for source in ranks)
         (mean_piece,), self.owner_residual = compress_chunks(
             chunk_sum.div_(contributors or len(ranks)), self.owner_residual, self.codec, [(0, stop - start)],
             overwrite=True)
@@ -110,7 +113,8 @@ class CompressedAverage:
         mean = torch.empty(local.numel(), dtype=dtype, device=local.device)
         for owner in ranks:
             begin, end = bounds[owner]
-            torch.add(anchor[begin:end], decode(gathered[owner], self.codec).to(dtype), out=mean[begin:end])
+            torch.add(anchor[begin:end], decode(gathered[owner], self.codec, end - begin).to(dtype),
+                      out=mean[begin:end])
         buffers = mean[num_parameters:]
         if buffers.numel():
             if contributes:
@@ -120,20 +124,17 @@ class CompressedAverage:
             comm.all_reduce_sum_(buffers, purpose).div_(contributors or comm.world_size)
         return mean.to(local.dtype)
 
-    def _exchange(self, comm: Communicator, outgoing: dict[int, Encoded], incoming: dict[int, tuple[int, int]],
-                  purpose: str) -> dict[int, Encoded]:
-        """Send ``outgoing[rank]`` to each rank and receive an encoded piece of ``incoming[source]``'s bounds from each."""
+    def _exchange(self, comm: Communicator, outgoing: dict[int, tuple[Tensor, ...]],
+                  incoming: dict[int, tuple[int, int]], purpose: str) -> dict[int, tuple[Tensor, ...]]:
+        """Send ``outgoing[rank]`` to each rank and receive an encoded piece of ``incoming[source]``'s bounds from each
+        (every non-empty tensor of a piece, in its order)."""
         device = self.common.device if self.common is not None else None
         sends, receives, buffers = [], [], {}
         for destination, piece in outgoing.items():
-            sends += [(piece.codes, destination)] + ([(piece.scales, destination)] if piece.scales.numel() else [])
+            sends += [(part, destination) for part in piece if part.numel()]
         for source, (start, stop) in incoming.items():
-            codes = torch.empty(stop - start, dtype=torch.int8 if self.codec == "int8" else torch.bfloat16,
-                                device=device)
-            scales = torch.empty(num_blocks(stop - start) if self.codec == "int8" else 0, dtype=torch.float32,
-                                 device=device)
-            buffers[source] = Encoded(codes, scales)
-            receives += [(codes, source)] + ([(scales, source)] if scales.numel() else [])
+            buffers[source] = empty_encoded(stop - start, self.codec, device)
+            receives += [(part, source) for part in buffers[source] if part.numel()]
         comm.exchange(sends, receives, purpose)
         return buffers
 

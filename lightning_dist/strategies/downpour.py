@@ -119,7 +119,7 @@ class DownpourSGDStrategy(LocalUpdateStrategy):
         check_flag("staleness_aware", staleness_aware)
         if not (isinstance(finish_timeout, (int, float)) and finish_timeout > 0):
             raise ValueError(f"finish_timeout must be a number of seconds > 0; got {finish_timeout!r}")
-        codec = check_compression(compression)
+        codec = check_compression(compression, "DownpourSGDStrategy's pushes and replies (lightning_dist.algorithms.compressed_pushes)")
         # Not the base class's compressed full synchronizations: Downpour has none (its consensus is a broadcast).
         super().__init__(**kwargs)
         self.compression = codec

@@ -10,7 +10,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from lightning_dist.algorithms.arguments import check_dynamic_schedule, check_outer_optimizer, check_sync_overhead
+from lightning_dist.algorithms.arguments import (
+    check_compression,
+    check_dynamic_schedule,
+    check_outer_optimizer,
+    check_sync_overhead,
+)
 from lightning_dist.algorithms.averaging import (
     accumulated_nbytes,
     accumulation_dtype,
@@ -138,6 +143,8 @@ class DynamicAveragingStrategy(LocalUpdateStrategy):
         )
         sync_overhead = check_sync_overhead(sync_overhead)
         outer_optimizer = check_outer_optimizer(outer_optimizer)
+        check_compression(kwargs.get("compression"), "dynamic averaging (its balancing rounds' sizes and "
+                          "exchanges are not yet sparse)")
         super().__init__(seed=seed, **kwargs)
         self.divergence_threshold = divergence_threshold
         self.check_every = check_every

@@ -17,6 +17,7 @@ from lightning_dist.algorithms.arguments import (
 )
 from lightning_dist.algorithms.averaging import sample_participants
 from lightning_dist.algorithms.outer import OuterOptimizerFactory, OuterStep
+from lightning_dist.algorithms.sparse_compression import SparseCodec
 from lightning_dist.algorithms.streaming import StreamingPlan
 from lightning_dist.comm import Communicator, new_group
 from lightning_dist.comm.nodes import node_groups
@@ -120,6 +121,10 @@ class PeriodicAveragingStrategy(LocalUpdateStrategy):
                 f"compression needs client_fraction=1 (got {client_fraction}): FedAvg's rounds average a subset of "
                 "the ranks, whose models share no common model to send deltas from"
             )
+        if isinstance(kwargs.get("compression"), SparseCodec) and (streams or kwargs.get("fault_tolerance") is not None):
+            raise ValueError(
+                "compression=SparseCodec(...) is built for blocking synchronizations without fault_tolerance yet "
+                f"(got fragments={fragments}, fault_tolerance={kwargs.get('fault_tolerance')!r}); use 'int8' there")
         if kwargs.get("fault_tolerance") is not None and streams:
             raise ValueError(
                 "fault_tolerance supports blocking synchronizations (periodic averaging, FedAvg and DiLoCo, compressed "

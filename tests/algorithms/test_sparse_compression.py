@@ -8,29 +8,26 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dist.algorithms.sparse_compression import (
-    SPARSE_BITS,
-    SparseCodec,
-    error_feedback_step,
-    pack_bits,
-    sparse_mean,
-    unpack_bits,
-)
+from lightning_dist.algorithms.compression import compress_chunks, compressed_mean
+from lightning_dist.algorithms.sparse_compression import SPARSE_BITS, SparseCodec, pack_bits, unpack_bits
 
 
 def test_an_exchange_of_two_ranks_by_hand():
-    """Chunks of 4, half of each sent, float32 values, beta 0.9 on zero residuals. Rank 0 keeps -3 and 2; rank 1 keeps
-    -4, then of the tied 1s the one at the lower position."""
-    codec = SparseCodec(density=0.5, bits=32, chunk=4)
-    deltas = [torch.tensor([1.0, -3.0, 2.0, 0.5]), torch.tensor([0.0, 1.0, 1.0, -4.0])]
-    mean, residuals, sent = sparse_mean(deltas, [torch.zeros(4), torch.zeros(4)], 0.9, codec)
-    assert mean.tolist() == [0.0, -1.0, 1.0, -2.0]
-    assert residuals[0].tolist() == [1.0, 0.0, 0.0, 0.5] and residuals[1].tolist() == [0.0, 0.0, 1.0, 0.0]
-    # two positions of 2 bits and two float32 values per rank
-    assert sent == [1 + 8, 1 + 8] == [codec.nbytes(4)] * 2
-    # The next window: rank 0's residual decays to 0.9 and 0.45 before its new delta is added.
-    _, sent_next, residual = error_feedback_step(torch.tensor([0.0, 0.0, 0.0, 1.0]), residuals[0], 0.9, codec)
-    assert torch.allclose(sent_next, torch.tensor([0.9, 0.0, 0.0, 1.45])) and residual.abs().sum() == 0
+    """Chunks of 2, half of each sent, float32 values, beta 0.5. Rank 0 owns elements 0-1, rank 1 elements 2-3.
+    Rank 0 sends -3 of its first chunk and 2 of its second; rank 1 sends 1 (of tied 1 and 1: the lower position) and
+    -4. Each owner sums its chunk, halves it and sends that chunk's larger entry again."""
+    codec = SparseCodec(density=0.5, bits=32, chunk=2, decay=0.5)
+    deltas = [torch.tensor([1.0, -3.0, 2.0, 0.5]), torch.tensor([1.0, 1.0, 0.0, -4.0])]
+    worker = [torch.zeros(4), torch.tensor([0.0, 0.0, 0.0, 2.0])]  # rank 1's residual decays to 1 before it adds
+    owner = [torch.zeros(2), torch.zeros(2)]
+    applied, worker, owner = compressed_mean(deltas, worker, owner, codec)
+    # rank 1 accumulates [1, 1, 0, -3]: sends 1 (position 0 of its first chunk) and -3
+    # owner 0: ([0, -3] + [1, 0]) / 2 = [0.5, -1.5] -> sends -1.5, keeps [0.5, 0]
+    # owner 1: ([2, 0] + [0, -3]) / 2 = [1, -1.5] -> sends -1.5, keeps [1, 0]
+    assert applied.tolist() == [0.0, -1.5, 0.0, -1.5]
+    assert worker[0].tolist() == [1.0, 0.0, 0.0, 0.5] and worker[1].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert owner[0].tolist() == [0.5, 0.0] and owner[1].tolist() == [1.0, 0.0]
+    assert codec.nbytes(2) == 1 + 4  # one position of 1 bit, one float32 value
 
 
 def test_two_bit_levels_are_the_means_of_equal_count_runs():
@@ -92,26 +89,30 @@ def test_each_chunk_sends_its_largest_entries_ties_to_the_lower_position(case):
 
 @settings(max_examples=100, deadline=None)
 @given(codecs_and_vectors(), st.sampled_from([1.0, 0.9, 0.5]), st.integers(1, 5))
-def test_error_feedback_keeps_what_was_not_sent(case, beta, rounds):
-    """Every round: what was sent plus the new residual is what was to be sent (beta times the old residual plus the
-    delta); with beta 1, summed over the rounds, the sends and the last residual are the deltas' sum."""
+def test_error_feedback_keeps_what_was_not_sent(case, decay, rounds):
+    """Every round: what was sent plus the new residual is what was to be sent (the decayed old residual plus the
+    delta); with decay 1, summed over the rounds, the sends and the last residual are the deltas' sum."""
     codec, vector = case
+    codec = SparseCodec(codec.density, codec.bits, codec.chunk, decay)
+    bounds = [(0, vector.numel())]
     residual, total_sent, total_delta = torch.zeros_like(vector), torch.zeros_like(vector), torch.zeros_like(vector)
     for step in range(rounds):
         delta = vector * (step + 1) - step
-        encoded, sent, new_residual = error_feedback_step(delta, residual, beta, codec)
-        assert torch.allclose(sent + new_residual, residual * beta + delta, atol=1e-5)
-        assert torch.equal(sent, codec.decode(encoded, vector.numel()))
+        (piece,), new_residual = compress_chunks(delta, residual, codec, bounds, decay=decay)
+        sent = codec.decode(piece, vector.numel())
+        assert torch.allclose(sent + new_residual, residual * decay + delta, atol=1e-5)
         residual, total_sent, total_delta = new_residual, total_sent + sent, total_delta + delta
-    if beta == 1.0:
+    if decay == 1.0:
         assert torch.allclose(total_sent + residual, total_delta, atol=1e-4)
 
 
 def test_density_one_and_float32_values_send_the_vector_as_it_is():
     vector = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     codec = SparseCodec(density=1.0, bits=32, chunk=256)
-    mean, residuals, _ = sparse_mean([vector, -vector * 3], [torch.zeros(1000)] * 2, 0.9, codec)
-    assert torch.equal(mean, (vector - vector * 3) / 2) and all(residual.abs().sum() == 0 for residual in residuals)
+    owners = [torch.zeros(500), torch.zeros(500)]
+    applied, worker, owner = compressed_mean([vector, -vector * 3], [torch.zeros(1000)] * 2, owners, codec)
+    assert torch.equal(applied, (vector - vector * 3) / 2)
+    assert all(residual.abs().sum() == 0 for residual in worker + owner)
 
 
 def test_a_large_vector_at_two_percent_and_two_bits_is_a_hundredth_of_float32():
@@ -120,9 +121,10 @@ def test_a_large_vector_at_two_percent_and_two_bits_is_a_hundredth_of_float32():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"density": 0.0}, "density must be a finite number > 0"),
-    ({"density": 1.5}, r"density must be in \(0, 1\]"),
-    ({"density": float("nan")}, "density must be a finite number"),
+    ({"density": 0.0}, r"density must be a number in \(0, 1\]"),
+    ({"density": 1.5}, r"density must be a number in \(0, 1\]"),
+    ({"density": float("nan")}, r"density must be a number in \(0, 1\]"),
+    ({"density": 0.1, "decay": 0.0}, r"decay must be a number in \(0, 1\]"),
     ({"density": 0.1, "bits": 5}, r"bits must be one of \(1, 2, 3, 4, 8, 32\)"),
     ({"density": 0.1, "bits": True}, "bits must be one of"),
     ({"density": 0.1, "chunk": 1}, r"chunk must be an integer in \[2, 65536\]"),

@@ -6,6 +6,7 @@ import torch
 
 from lightning_dist.algorithms.compressed_pushes import push_nbytes, reply_nbytes
 from lightning_dist.algorithms.compression import compressed_mean, encoded_nbytes
+from lightning_dist.algorithms.sparse_compression import SparseCodec
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.sim import DynamicAveraging, ParameterServer, PeriodicAveraging
 from sim.test_topologies import run
@@ -33,8 +34,12 @@ class DynamicSnapshots(StartAndSnapshots, DynamicAveraging):
     every = property(lambda self: self.check_every)
 
 
-@pytest.mark.parametrize("codec", ["int8", "bf16"])
-@pytest.mark.parametrize("protocol_class", [PeriodicSnapshots, DynamicSnapshots])
+SPARSE = SparseCodec(density=0.1, bits=2, chunk=64, decay=0.9)
+
+
+@pytest.mark.parametrize(("protocol_class", "codec"), [(PeriodicSnapshots, "int8"), (PeriodicSnapshots, "bf16"),
+                                                       (PeriodicSnapshots, SPARSE), (DynamicSnapshots, "int8"),
+                                                       (DynamicSnapshots, "bf16")])
 def test_every_worker_takes_the_definitions_model_and_the_strategys_bytes(codec, protocol_class):
     """4 workers, a synchronization every 3 steps for 9 steps (periodic, or dynamic with a threshold every check
     violates): after each, every worker holds the common model plus compressed_mean's applied update of the deltas
@@ -132,3 +137,10 @@ def test_parameter_server_compresses_pushes_and_replies_as_the_strategy(codec):
 def test_parameter_server_refuses_an_unknown_codec():
     with pytest.raises(ValueError, match="compression must be None or one of 'bf16', 'int8'"):
         ParameterServer(compression="fp8")
+
+
+def test_a_sparse_codec_is_refused_by_name_where_the_simulator_does_not_build_it():
+    with pytest.raises(ValueError, match="not built for simulated dynamic averaging yet"):
+        DynamicAveraging(compression=SPARSE, topology="strategy")
+    with pytest.raises(ValueError, match="not built for the simulated parameter server's pushes and replies yet"):
+        ParameterServer(compression=SPARSE)

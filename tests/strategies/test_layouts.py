@@ -4,7 +4,8 @@ Layouts: flat 2, flat 4, 2 x 2, 1 x 4 and 2 x 1 with ``hierarchy="node"`` (two t
 on this host). Layout changes on resume, from a checkpoint written after step 6 of 10, between two
 synchronizations: 2 x 2 -> 1 x 4, flat 4 -> 2 x 2, 2 x 2 -> 2 x 1, 2 x 2 -> flat 4, 2 x 2 -> 1 x 2, 1 x 2 -> 2 x 2.
 Every strategy (and streaming DiLoCo, its checkpoint taken with an exchange in flight), with and without
-``compression="int8"`` where it has compression, on a model with what broke last
+``compression="int8"`` where it has compression (and periodic averaging and DiLoCo with a ``SparseCodec``), on a
+model with what broke last
 round: BatchNorm on inputs of tiny variance, a frozen parameter, Adam (``helpers.user_models.TinyVarianceMLP``).
 
 Asserted for every case: no rank failed (segmented gossip on one node, which has no peer, is refused by name); after every step the ranks of a node hold the same model, bit for bit;
@@ -40,7 +41,9 @@ STRATEGIES = {
                                              "fragment_update_alpha": 0.5}, True, None),
 }
 COMPRESSED = ("periodic", "diloco", "dynamic", "downpour", "stream")  # fedavg and gossip refuse compression by name
-VARIANTS = [(name, None) for name in STRATEGIES] + [(name, "int8") for name in COMPRESSED]
+SPARSE = ("periodic", "diloco")  # "sparse": a SparseCodec (tests/workers/layouts.py); the others refuse it by name
+VARIANTS = ([(name, None) for name in STRATEGIES] + [(name, "int8") for name in COMPRESSED]
+            + [(name, "sparse") for name in SPARSE])
 
 # layout -> (nodes, ranks per node, hierarchy)
 LAYOUTS = {"flat2": (2, 1, None), "flat4": (2, 2, None), "2x2": (2, 2, "node"), "1x4": (1, 4, "node"),

@@ -1,6 +1,7 @@
 """Worker: compressed full synchronizations across real processes on hand-set models.
 
-For each case of ``spec["cases"]`` (``codec``, ``dim``, ``syncs``, optional ``dtype`` and ``nan_rank``) every rank
+For each case of ``spec["cases"]`` (``codec``: a codec's name or a ``SparseCodec``'s arguments; ``dim``, ``syncs``,
+optional ``dtype`` and ``nan_rank``) every rank
 builds a ``PeriodicAveragingStrategy(compression=codec)`` on a module with ``dim`` weights and a 3-element float
 buffer, holds the seeded common model, then ``syncs`` times sets its replica to the common model plus its seeded
 delta (row ``rank`` of that synchronization's deltas, of very different sizes per rank) and synchronizes as the
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dist.algorithms.sparse_compression import SparseCodec
 from lightning_dist.comm import Communicator
 from lightning_dist.model_vector import ModelVector
 from lightning_dist.strategies import PeriodicAveragingStrategy
@@ -31,7 +33,8 @@ def deltas_of(case: dict, world_size: int, numel: int) -> torch.Tensor:
 
 
 def run_case(case: dict, rank: int, world_size: int) -> dict:
-    strategy = PeriodicAveragingStrategy(period=1, compression=case["codec"])
+    codec = case["codec"]
+    strategy = PeriodicAveragingStrategy(period=1, compression=SparseCodec(**codec) if isinstance(codec, dict) else codec)
     module = nn.Linear(case["dim"], 1, bias=False)
     module.register_buffer("statistic", torch.zeros(3))
     module.to(getattr(torch, case.get("dtype", "float32")))

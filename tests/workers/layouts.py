@@ -68,6 +68,8 @@ def fit(case: dict, out: Path) -> None:
     kwargs = {"timeout": timedelta(seconds=60), **case["strategy"].get("kwargs", {})}
     if case["strategy"].get("outer"):
         kwargs["outer_optimizer"] = diloco_outer_optimizer
+    if kwargs.get("compression") == "sparse":  # SparseLoCo's codec: 10% of each 64-element chunk at 2 bits
+        kwargs["compression"] = lightning_dist.SparseCodec(density=0.1, bits=2, chunk=64, decay=0.9)
     strategy = getattr(lightning_dist, case["strategy"]["class"])(**kwargs)
     torch.manual_seed(1000 + int(os.environ["RANK"]))  # replicas must be made identical by the strategy
     recorder = RecordSteps()

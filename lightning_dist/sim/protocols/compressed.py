@@ -19,16 +19,19 @@ import torch
 from torch import Tensor
 
 from lightning_dist.algorithms.arguments import check_compression
-from lightning_dist.algorithms.compression import compressed_model_mean, compressed_sync_nbytes
+from lightning_dist.algorithms.compression import Codec, compressed_model_mean, compressed_sync_nbytes
 from lightning_dist.algorithms.outer import OuterStep
 from lightning_dist.algorithms.subset_average import chunk_bounds
 from lightning_dist.sim.engine import Node
 from lightning_dist.sim.protocols.base import Program, all_finite
 
 
-def check_simulated_compression(compression: object, topology: str, client_fraction: float = 1.0) -> str | None:
-    """``compression`` as the strategies take it; simulated with ``topology="strategy"`` and every worker taking part."""
-    compression = check_compression(compression)
+def check_simulated_compression(compression: object, topology: str, client_fraction: float = 1.0,
+                                sparse_unsupported: str | None = None) -> Codec | None:
+    """``compression`` as the strategies take it (``sparse_unsupported``: what refuses a sparse codec, as
+    :func:`~lightning_dist.algorithms.arguments.check_compression`); simulated with ``topology="strategy"`` and every
+    worker taking part."""
+    compression = check_compression(compression, sparse_unsupported)
     if compression is not None and (topology != "strategy" or client_fraction < 1):
         raise ValueError(
             f"compression needs topology='strategy' and client_fraction=1 (the strategies' full synchronization); "
@@ -40,7 +43,7 @@ def check_simulated_compression(compression: object, topology: str, client_fract
 class CompressedSync:
     """Compressed full synchronizations of ``workers`` workers that start from ``common``."""
 
-    def __init__(self, codec: str, common: Tensor, num_parameters: int, workers: int) -> None:
+    def __init__(self, codec: Codec, common: Tensor, num_parameters: int, workers: int) -> None:
         self.codec = codec
         self.common = common.clone()
         self.num_parameters = num_parameters

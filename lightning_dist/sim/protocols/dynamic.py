@@ -146,7 +146,8 @@ class DynamicAveraging(DynamicCoordinator, Protocol):
         self.num_servers = 1 if self.topology == "server" else 0
         self._outer_factory = check_outer_optimizer(outer_optimizer)
         self.outer_optimizer = outer_optimizer_config(outer_optimizer)
-        self.compression = check_simulated_compression(compression, self.topology)
+        self.compression = check_simulated_compression(compression, self.topology,
+                                                       sparse_unsupported="simulated dynamic averaging")
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)

@@ -94,7 +94,7 @@ class ParameterServer(Protocol):
         self.num_servers = 1 if self.topology == "server" else 0
         self.server_on_worker = None if self.topology == "server" else 0
         self.header_bytes = 0 if self.topology == "server" else HEADER_BYTES
-        self.compression = check_compression(compression)
+        self.compression = check_compression(compression, "the simulated parameter server's pushes and replies")
 
     def setup(self, simulation) -> None:  # type: ignore[no-untyped-def]
         super().setup(simulation)
