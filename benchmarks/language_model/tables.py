@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from benchmarks.common.tables import result
-from benchmarks.language_model.network import fmt_s, table
+from benchmarks.language_model.network import fmt_s, summarize, table
 
 README_MBIT = 20.0
 README_METHODS = {
@@ -92,9 +92,13 @@ def network_table() -> str:
 
 
 def streaming_table(mbit: float) -> str:
-    """Seconds to the target seed by seed, their mean, wire MB by then, final loss, steps and s/step at ``mbit`` for
-    the methods :data:`STREAMING_METHODS` names there."""
-    rows = summary_rows(result("lm_network"), mbit, STREAMING_METHODS[mbit])
+    """The methods :data:`STREAMING_METHODS` names at ``mbit``, as :func:`rows_table` gives them."""
+    return rows_table(summary_rows(result("lm_network"), mbit, STREAMING_METHODS[mbit]))
+
+
+def rows_table(rows: list[dict[str, Any]]) -> str:
+    """Seconds to the target seed by seed, their mean, wire MB by then, final loss, steps and s/step of summary
+    ``rows``."""
     seeds = rows[0]["seeds"]
     label = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + " / ".join(str(seed) for seed in seeds)
     lines = [f"| method | s to target, {label} | mean (seeds) | wire MB to target | final loss | steps | s/step |",
@@ -178,3 +182,14 @@ def issue27_table() -> str:
         loss, steps = (statistics.fmean(run[key] for run in runs) for key in ("final_val_loss", "steps"))
         lines.append(f"| {label} | {times} | {mean} | {wire} | {loss:.3f} | {steps:.0f} |")
     return "\n".join(lines)
+
+
+SPARSE_METHODS = ("ddp_powersgd_r4", "periodic_h50", "periodic_h50_int8", "periodic_h50_sparse")
+"""The sparse comparison's rows, one launch per seed at 20 Mbit/s (``lm_sparse.json``)."""
+
+
+def sparse_table() -> str:
+    """The sparse comparison (``lm_sparse.json``) against ``lm_network.json``'s target, as :func:`rows_table`."""
+    report = result("lm_sparse")
+    summary = summarize(report, result("lm_network")["summary"]["target_val_loss"])
+    return rows_table([row for name in SPARSE_METHODS for row in summary["rows"] if row["name"] == name])

@@ -137,6 +137,8 @@ def make_strategy(spec: dict[str, Any], run: dict[str, Any]) -> Any:
     if run["kind"] == "ddp":
         return ddp_with_hook(**run["hook"]) if run.get("hook") else "ddp"
     kwargs = dict(run["strategy"]["kwargs"])
+    if isinstance(kwargs.get("compression"), dict):  # {"sparse": SparseCodec's arguments} (JSON has no dataclasses)
+        kwargs["compression"] = lightning_dist.SparseCodec(**kwargs["compression"]["sparse"])
     if run.get("outer"):
         kwargs["outer_optimizer"] = functools.partial(torch.optim.SGD, **run["outer"])
     return getattr(lightning_dist, run["strategy"]["class"])(seed=int(spec["seed"]), **kwargs)
