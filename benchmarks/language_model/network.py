@@ -166,6 +166,10 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
          "label": f"periodic averaging, every 50 steps, sparse: {SPARSE['density']:.0%} of each chunk at "
                   f"{SPARSE['bits']} bits (SparseLoCo's codec)",
          "strategy": strategy("PeriodicAveragingStrategy", period=50, compression={"sparse": SPARSE})},
+        {"name": "periodic_h10_sparse", "kind": "periodic",
+         "label": f"periodic averaging, every 10 steps, sparse: {SPARSE['density']:.0%} of each chunk at "
+                  f"{SPARSE['bits']} bits (SparseLoCo's codec)",
+         "strategy": strategy("PeriodicAveragingStrategy", period=10, compression={"sparse": SPARSE})},
         {"name": "dynamic_default_int8", "kind": "dynamic",
          "label": "dynamic averaging, defaults, int8 deltas with error feedback",
          "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY, compression="int8")},
