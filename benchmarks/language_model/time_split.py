@@ -124,10 +124,12 @@ def split_table(mbit: float) -> str:
 
 
 def split_table_20() -> str:
+    """The split at 20 Mbit/s (3 seeds)."""
     return split_table(20.0)
 
 
 def split_table_1000() -> str:
+    """The split at 1000 Mbit/s (one seed): the floor."""
     return split_table(1000.0)
 
 
