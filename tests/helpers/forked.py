@@ -91,6 +91,7 @@ class ForkedJob:
         assert master_port is not None, "a later node's job needs the first node's master_port"
         self.master_port = master_port
         self.returncode: int | None = None
+        self._failed = False  # a rank failed, or the job was killed
         world = {"GROUP_RANK": str(node_rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nprocs),
                  "WORLD_SIZE": str(nodes * nprocs), "GROUP_WORLD_SIZE": str(nodes),
                  "ROLE_WORLD_SIZE": str(nodes * nprocs), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
@@ -126,8 +127,6 @@ class ForkedJob:
             self._failed = True
             self._signal(signal.SIGKILL)
         self._watcher.join()
-
-    _failed = False
 
     def _watch(self) -> None:
         """The agent's loop, the only reader of the ranks' exit codes: wait for the ranks; when one fails, stop the
