@@ -124,6 +124,9 @@ MASTER_PORT = 29710
 SPARSE = {"density": 0.02, "bits": 2}
 """The sparse methods' ``SparseCodec`` arguments (chunks of 4096, no decay): SparseLoCo's 1-3% at 2 bits."""
 
+SPARSE_SWEEP = [(density, bits) for density in (0.01, 0.02, 0.05) for bits in (2, 4) if (density, bits) != (0.02, 2)]
+"""The density x bits sweep of sparse averaging every 10 steps (2% at 2 bits is ``periodic_h10_sparse``)."""
+
 
 def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
     def strategy(cls: str, **kwargs: Any) -> dict[str, Any]:
@@ -170,6 +173,11 @@ def methods(thresholds: dict[str, float]) -> list[dict[str, Any]]:
          "label": f"periodic averaging, every 10 steps, sparse: {SPARSE['density']:.0%} of each chunk at "
                   f"{SPARSE['bits']} bits (SparseLoCo's codec)",
          "strategy": strategy("PeriodicAveragingStrategy", period=10, compression={"sparse": SPARSE})},
+        *[{"name": f"periodic_h10_sparse_d{density * 100:g}_b{bits}", "kind": "periodic",
+           "label": f"periodic averaging, every 10 steps, sparse: {density:.0%} of each chunk at {bits} bits",
+           "strategy": strategy("PeriodicAveragingStrategy", period=10,
+                                compression={"sparse": {"density": density, "bits": bits}})}
+          for density, bits in SPARSE_SWEEP],
         {"name": "dynamic_default_int8", "kind": "dynamic",
          "label": "dynamic averaging, defaults, int8 deltas with error feedback",
          "strategy": strategy("DynamicAveragingStrategy", check_every=CHECK_EVERY, compression="int8")},

@@ -189,8 +189,24 @@ SPARSE_METHODS = ("ddp_powersgd_r4", "periodic_h50", "periodic_h50_int8", "perio
 last in a second)."""
 
 
+def own_launch_table(name: str, methods: tuple[str, ...]) -> str:
+    """Launches kept in their own ``<name>.json`` (no DDP run there: ``lm_network.json``'s target), the rows of
+    ``methods`` as :func:`rows_table` gives them."""
+    summary = summarize(result(name), result("lm_network")["summary"]["target_val_loss"])
+    return rows_table([row for method in methods for row in summary["rows"] if row["name"] == method])
+
+
 def sparse_table() -> str:
-    """The sparse comparison (``lm_sparse.json``) against ``lm_network.json``'s target, as :func:`rows_table`."""
-    report = result("lm_sparse")
-    summary = summarize(report, result("lm_network")["summary"]["target_val_loss"])
-    return rows_table([row for name in SPARSE_METHODS for row in summary["rows"] if row["name"] == name])
+    """The sparse comparison at 20 Mbit/s (``lm_sparse.json``)."""
+    return own_launch_table("lm_sparse", SPARSE_METHODS)
+
+
+SWEEP_METHODS = ("periodic_h50_int8", "periodic_h10_sparse_d1_b2", "periodic_h10_sparse_d1_b4", "periodic_h10_sparse",
+                 "periodic_h10_sparse_d2_b4", "periodic_h10_sparse_d5_b2", "periodic_h10_sparse_d5_b4")
+"""The density x bits sweep's rows at 5 Mbit/s (``lm_sparse_sweep.json``: one launch per seed), int8 every 50 steps
+first."""
+
+
+def sweep_table() -> str:
+    """The density x bits sweep at 5 Mbit/s (``lm_sparse_sweep.json``)."""
+    return own_launch_table("lm_sparse_sweep", SWEEP_METHODS)
