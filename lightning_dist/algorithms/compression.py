@@ -153,8 +153,8 @@ def compress_chunks(
     ``update`` itself when ``overwrite`` (a float32 tensor of the caller's own, with no other use), else in a new
     tensor: no temporary of the vector's size either way (a bucket of a large model's synchronization).
     """
-    decayed = residual if decay == 1.0 else residual * decay
-    value = update.add_(decayed) if overwrite else update.to(torch.float32) + decayed
+    value = (update.add_(residual, alpha=decay) if overwrite  # no temporary of the residual's size either
+             else torch.add(update.to(torch.float32), residual, alpha=decay))
     pieces = [encode(value[start:stop], codec) for start, stop in bounds]
     for piece, (start, stop) in zip(pieces, bounds):
         value[start:stop].sub_(decode(piece, codec, stop - start))
